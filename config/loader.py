@@ -1,0 +1,145 @@
+"""YAML file -> validated `Config`, with one error message naming the file and the key path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+import yaml
+
+from config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration the server refuses to start with; the message says what to change."""
+
+
+_PATH = re.compile(r" - at (?:`key` in )?`\$(?P<path>[^`]*)`$")
+
+
+def _key_path(raw: str) -> list[str | int]:
+    """Turn msgspec's `$.a.b[0]` (minus the `$`) into ['a', 'b', 0]."""
+    parts: list[str | int] = []
+    for name, quoted, index in re.findall(r"\.([^.\[]+)|\[\'([^']*)\'\]|\[(\d+)\]", raw):
+        parts.append(int(index) if index else (name or quoted))
+    return parts
+
+
+def _lookup(data: Any, parts: list[str | int]) -> tuple[bool, Any]:
+    for part in parts:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, data
+
+
+def _schema_at(t: mi.Type, parts: list[str | int]) -> mi.Type | None:
+    """The schema type of the value at `parts`, following structs, lists and mappings."""
+    for part in parts:
+        if isinstance(t, mi.UnionType):
+            t = next((u for u in t.types if not isinstance(u, (mi.LiteralType, mi.NoneType))), t)
+        if isinstance(t, mi.StructType):
+            t = next((f.type for f in t.fields if f.name == part), None)
+        elif isinstance(t, (mi.VarTupleType, mi.ListType)):
+            t = t.item_type
+        elif isinstance(t, mi.DictType):
+            t = t.value_type
+        else:
+            return None
+        if t is None:
+            return None
+    return t
+
+
+def _bounds(t: mi.IntType | mi.FloatType) -> str:
+    marks = [(">", t.gt), (">=", t.ge), ("<", t.lt), ("<=", t.le)]
+    return " " + " and ".join(f"{op} {v}" for op, v in marks if v is not None) if any(v is not None for _, v in marks) else ""
+
+
+def _describe(t: mi.Type) -> str:
+    """A schema type in words: IntType(ge=1) -> 'an integer >= 1'."""
+    if isinstance(t, mi.IntType):
+        return "an integer" + _bounds(t)
+    if isinstance(t, mi.FloatType):
+        return "a number" + _bounds(t)
+    if isinstance(t, mi.BoolType):
+        return "true or false"
+    if isinstance(t, mi.StrType):
+        return f"a string matching {t.pattern}" if t.pattern else "a string"
+    if isinstance(t, mi.LiteralType):
+        return "one of " + ", ".join(repr(v) for v in sorted(t.values, key=str))
+    if isinstance(t, mi.NoneType):
+        return "null"
+    if isinstance(t, (mi.VarTupleType, mi.ListType)):
+        return f"a list of {_describe(t.item_type).removeprefix('a ').removeprefix('an ')}s"
+    if isinstance(t, (mi.DictType, mi.StructType)):
+        return "a mapping"
+    if isinstance(t, mi.UnionType):
+        return " or ".join(_describe(u) for u in t.types)
+    return str(t)
+
+
+def _format_error(source: str, data: Any, err: msgspec.ValidationError) -> str:
+    text = str(err)
+    match = _PATH.search(text)
+    message = text[: match.start()] if match else text
+    parts = _key_path(match.group("path")) if match else []
+    where = ".".join(str(p) for p in parts)
+    unknown = re.match(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        where = ".".join(str(p) for p in [*parts, unknown.group(1)])
+        return f"{source}: {where}: unknown key (check its spelling against config/default.yaml)"
+    missing = re.match(r"Object missing required field `(.+)`", message)
+    if missing:
+        where = ".".join(str(p) for p in [*parts, missing.group(1)])
+        return f"{source}: {where}: required key is missing"
+    if match and "`key` in" in match.group(0):
+        keys = _lookup(data, parts)[1] or {}
+        t = _schema_at(mi.type_info(Config), parts)
+        bad = next((k for k in keys if not isinstance(k, str) or not re.match(t.key_type.pattern or "", k)), None)
+        return f"{source}: {where}: key {bad!r} is not valid: expected {_describe(t.key_type)}"
+    found, value = _lookup(data, parts)
+    t = _schema_at(mi.type_info(Config), parts)
+    expected = _describe(t) if t is not None else message
+    got = f", got {value!r}" if found else ""
+    return f"{source}: {where or '(top level)'}: expected {expected}{got}"
+
+
+def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Config:
+    """Validate an already-parsed YAML document. None (an empty file) means all defaults."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    if "base_dir" in data:
+        raise ConfigError(f"{source}: base_dir: unknown key (paths resolve against the file's directory)")
+    try:
+        return msgspec.convert({**data, "base_dir": base_dir}, type=Config, strict=True)
+    except msgspec.ValidationError as err:
+        raise ConfigError(_format_error(source, data, err)) from None
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Load `path` (None: the embedded default) and validate it."""
+    if path is None:
+        return parse_config({}, "<default>", str(Path.cwd()))
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(data, str(path), str(path.resolve().parent))
+
+
+def resolve_path(config: Config, path: str) -> Path:
+    """Paths in a config file are relative to that file; `~` expands."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else Path(config.base_dir) / p

@@ -1,0 +1,121 @@
+"""Typed, frozen configuration: one Struct per YAML section, a default for every key.
+
+`config/default.yaml` documents every key; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+# Model ids become directory names and shm/metric labels: no path tricks.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
+Quality = Annotated[int, msgspec.Meta(ge=1, le=100)]
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+$")]
+FrameOrder = Literal["mirror", "loop"]
+OutputFormat = Literal["jpeg", "png", "raw"]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class FrontendConfig(_Section):
+    bind: tuple[Endpoint, ...] = ("tcp://127.0.0.1:5555",)
+    routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+
+
+class MetricsConfig(_Section):
+    port: Port = 9108
+    host: str = "127.0.0.1"
+
+
+class ModelEntry(_Section):
+    onnx: str
+    frames: str
+    crop_rects: str
+    frame_order: FrameOrder = "mirror"
+
+
+class LimitsConfig(_Section):
+    max_batch: Annotated[int, msgspec.Meta(ge=1, le=256)] = 32
+    queue_depth: PosInt = 64
+    request_timeout_s: PosFloat = 30.0
+    max_audio_elements: PosInt = 256 * 16 * 32
+    max_message_bytes: PosInt = 512 * 1024 * 1024
+
+
+class InferenceConfig(_Section):
+    devices: Union[Literal["auto", "cpu"], tuple[NonNegInt, ...]] = "auto"
+    workers_per_device: PosInt = 1
+    max_models_per_worker: PosInt = 16
+    max_model_bytes: NonNegInt = 0
+    eviction: Literal["lru", "lfu"] = "lru"
+    idle_unload_s: NonNegFloat = 0.0
+    preload: tuple[ModelId, ...] = ()
+    intra_op_threads: NonNegInt = 0
+    tensorrt: bool = False
+    fp16: bool = False
+
+
+class CompositingConfig(_Section):
+    workers: Union[Literal["auto"], PosInt] = "auto"
+    cache_bytes: Annotated[int, msgspec.Meta(ge=16 * 1024 * 1024)] = 2 * 1024**3
+    preload: tuple[ModelId, ...] = ()
+    max_frame_width: Annotated[int, msgspec.Meta(ge=64, le=8192)] = 1920
+    max_frame_height: Annotated[int, msgspec.Meta(ge=64, le=8192)] = 1080
+    eviction: Literal["lru", "lfu"] = "lru"
+
+    def resolved_workers(self) -> int:
+        if self.workers == "auto":
+            return max(1, (os.cpu_count() or 2) - 1)
+        return self.workers
+
+
+class OutputConfig(_Section):
+    format: OutputFormat = "jpeg"
+    quality: Quality = 75
+
+
+class ShmConfig(_Section):
+    slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9]{0,11}$")] = "lsync"
+
+
+class SupervisorConfig(_Section):
+    start_timeout_s: PosFloat = 120.0
+    shutdown_timeout_s: PosFloat = 10.0
+    restart_backoff_s: NonNegFloat = 0.5
+    max_restarts: NonNegInt = 10
+    restart_window_s: PosFloat = 300.0
+
+
+class DemoConfig(_Section):
+    cache_dir: str = "~/.cache/lipsync-serve"
+    frames: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 250
+    seed: int = 0
+
+
+class Config(_Section):
+    frontend: FrontendConfig = FrontendConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    models_dir: Union[str, None] = None
+    models: dict[ModelId, ModelEntry] = {}
+    limits: LimitsConfig = LimitsConfig()
+    inference: InferenceConfig = InferenceConfig()
+    compositing: CompositingConfig = CompositingConfig()
+    output: OutputConfig = OutputConfig()
+    shm: ShmConfig = ShmConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
+    demo: DemoConfig = DemoConfig()
+    # Where the file came from: relative paths in it resolve against this directory.
+    base_dir: str = "."

@@ -1,0 +1,169 @@
+"""The client-facing wire protocol (docs/protocol.md): ops, header schema, replies, error codes.
+
+Imported by the frontend, the client and the tests; nothing else lives here.
+A request is a ZeroMQ multipart message `[header, payload...]` (after the empty delimiter frame
+that REQ adds and DEALER clients must add); a reply is `[header, data...]`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal, Optional, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+VISUAL_SHAPE = (6, 320, 320)   # unmasked crop (BGR/255) then masked crop, CHW
+MOUTH_SHAPE = (3, 320, 320)    # model output: BGR in [0, 1], CHW
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+DEFAULT_QUALITY = 75
+
+
+class Op(str, enum.Enum):
+    HEALTH = "health"
+    MODELS = "models"
+    LOAD = "load"
+    UNLOAD = "unload"
+    STATS = "stats"
+    INFER = "infer"
+    COMPOSITE = "composite"
+
+
+MODEL_OPS = frozenset({Op.LOAD, Op.UNLOAD, Op.INFER, Op.COMPOSITE})
+TENSOR_OPS = frozenset({Op.INFER, Op.COMPOSITE})
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"      # malformed header, unknown op, wrong frames or sizes, bad range or id
+    UNKNOWN_MODEL = "unknown_model"  # no such model, or it failed to load
+    OVERLOADED = "overloaded"        # the worker's queue is full: retry later
+    TIMEOUT = "timeout"              # the deadline passed before the work finished
+    UNAVAILABLE = "unavailable"      # a worker died or is restarting, or no GPU host is reachable
+    FORBIDDEN = "forbidden"          # the client's tenant may not use this model
+    INTERNAL = "internal"            # a bug: please report it with the message
+
+
+RequestId = Union[str, int, None]
+ImageFormat = Literal["jpeg", "png", "raw"]
+
+
+class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    op: Op
+    id: RequestId = None
+    model: Optional[Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]] = None
+    batch: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
+    start_frame: Annotated[int, msgspec.Meta(ge=0)] = 0
+    format: Optional[ImageFormat] = None
+    quality: Optional[Annotated[int, msgspec.Meta(ge=1, le=100)]] = None
+    timeout_ms: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+class ErrorBody(msgspec.Struct):
+    code: ErrorCode
+    message: str
+
+
+class ErrorReply(msgspec.Struct, kw_only=True):
+    ok: bool = False
+    id: RequestId = None
+    error: ErrorBody
+
+
+class Timing(msgspec.Struct, kw_only=True):
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+    composite_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    device: str
+    index: int
+
+
+class CompositeReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    batch: int
+    format: ImageFormat
+    width: int
+    height: int
+    frames: list[int]
+    timing: Timing
+    worker: WorkerInfo
+
+
+class InferReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    batch: int
+    shape: tuple[int, ...] = MOUTH_SHAPE
+    dtype: str = "float32"
+    timing: Timing
+    worker: WorkerInfo
+
+
+class ProcessInfo(msgspec.Struct, kw_only=True):
+    role: str
+    index: int
+    pid: Optional[int]
+    state: str           # starting | ready | restarting | failed
+    restarts: int = 0
+    device: Optional[str] = None
+
+
+class HealthReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    status: Literal["starting", "ready", "degraded"]
+    processes: list[ProcessInfo]
+    models_loaded: dict[str, list[int]]
+    version: str
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    id: str
+    frames: Optional[int] = None
+    width: Optional[int] = None
+    height: Optional[int] = None
+    audio_shape: Optional[list[int]] = None
+    loaded_on: list[int] = []
+    error: Optional[str] = None
+
+
+class ModelsReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    models: list[ModelInfo]
+
+
+class LoadReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    model: str
+    loaded_on: list[int]
+    load_ms: float = 0.0
+
+
+class StatsReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    models: dict[str, dict[str, Any]]
+    workers: list[dict[str, Any]]
+    store: dict[str, Any] = {}
+
+
+Reply = Union[ErrorReply, CompositeReply, InferReply, HealthReply, ModelsReply, LoadReply, StatsReply]
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def error_reply(request_id: RequestId, code: ErrorCode, message: str) -> bytes:
+    return encode(ErrorReply(id=request_id, error=ErrorBody(code, message)))
