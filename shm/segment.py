@@ -31,7 +31,9 @@ def run_prefix(prefix: str) -> str:
 
 def _creator_alive(pid: int, start_hex: str) -> bool:
     try:
-        return int(psutil.Process(pid).create_time()) == int(start_hex, 16)
+        proc = psutil.Process(pid)
+        # A zombie (killed, not yet reaped) still reports its start time but holds nothing.
+        return proc.status() != psutil.STATUS_ZOMBIE and int(proc.create_time()) == int(start_hex, 16)
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
         return False
 

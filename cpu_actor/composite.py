@@ -1,0 +1,57 @@
+"""SyncTalk_2D's own compositing math, which the model was trained for, and the encoders.
+
+For frame k with clipped crop box (x1, y1, x2, y2), w = x2 - x1, h = y2 - y1, and mouth P (3x320x320):
+  1. C = cv2.resize(background[y1:y2, x1:x2], (328, 328), INTER_CUBIC)      (cached in the store)
+  2. Q = C.copy(); Q[4:324, 4:324] = floor(255 * P) as HWC uint8 (truncation, clipped to 0..255)
+  3. out = background.copy(); out[y1:y2, x1:x2] = cv2.resize(Q, (w, h), INTER_CUBIC)   (hard paste)
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import simplejpeg
+
+try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
+    from fpng import fpng_ext as _fpng
+except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux only
+    _fpng = None
+
+INNER = slice(4, 324)
+_255 = np.float32(255)
+
+
+def mouth_to_uint8(mouth: np.ndarray) -> np.ndarray:
+    """P [3,320,320] float32 in [0,1] -> HWC uint8, truncating as `np.uint8(P * 255)` does."""
+    scaled = np.multiply(mouth, _255, dtype=np.float32)
+    np.clip(scaled, 0, 255, out=scaled)
+    return scaled.astype(np.uint8).transpose(1, 2, 0)
+
+
+def paste(background: np.ndarray, crop: np.ndarray, mouth_hwc: np.ndarray, rect) -> np.ndarray:
+    """Steps 2 and 3, in place on `background` and `crop` (both the caller's own copies)."""
+    x1, y1, x2, y2 = (int(v) for v in rect)
+    crop[INNER, INNER] = mouth_hwc
+    background[y1:y2, x1:x2] = cv2.resize(crop, (x2 - x1, y2 - y1), interpolation=cv2.INTER_CUBIC)
+    return background
+
+
+def encode(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
+    """jpeg (libjpeg-turbo, 4:2:0, straight from BGR), png (lossless), or raw HxWx3 BGR bytes."""
+    if fmt == "jpeg":
+        return simplejpeg.encode_jpeg(image, quality, colorspace="BGR", colorsubsampling="420")
+    if fmt == "png":
+        return encode_png(image)
+    if fmt == "raw":
+        return memoryview(np.ascontiguousarray(image)).cast("B")
+    raise ValueError(f"format must be jpeg, png or raw, got {fmt!r}")
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    rgb = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    if _fpng is not None:
+        return _fpng.encode_ndarray(rgb)
+    ok, data = cv2.imencode(".png", image, [cv2.IMWRITE_PNG_COMPRESSION, 1, cv2.IMWRITE_PNG_FILTER,
+                                            cv2.IMWRITE_PNG_FILTER_UP, cv2.IMWRITE_PNG_STRATEGY,
+                                            cv2.IMWRITE_PNG_STRATEGY_HUFFMAN_ONLY])
+    return data.tobytes()

@@ -1,0 +1,37 @@
+"""Prometheus metrics, served by the frontend on `metrics.port` (0 disables).
+
+Everything is counted in the frontend from the messages it already receives (timings in InferDone and
+CompositeDone, ModelEvents, ProcessEvents), so worker processes need no metrics endpoint of their own.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_MS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120, 10240)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("lipsync_requests", "Requests by op, model and outcome (ok or error code)",
+                                ["op", "model", "outcome"], registry=r)
+        self.frames = Counter("lipsync_frames", "Frames served", ["model"], registry=r)
+        self.latency = Histogram("lipsync_latency_ms", "Latency by stage (queue, inference, composite, total)",
+                                 ["stage"], buckets=_MS, registry=r)
+        self.queue_depth = Gauge("lipsync_queue_depth", "Requests queued or in flight per inference worker",
+                                 ["worker"], registry=r)
+        self.models_loaded = Gauge("lipsync_models_loaded", "Models loaded per inference worker", ["worker"],
+                                   registry=r)
+        self.model_events = Counter("lipsync_model_events", "Model loads, unloads, evictions and failures",
+                                    ["event"], registry=r)
+        self.load_ms = Histogram("lipsync_model_load_ms", "Model load latency", buckets=_MS, registry=r)
+        self.store = Counter("lipsync_background_cache", "Background store lookups by model and result",
+                             ["model", "result"], registry=r)
+        self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots in use per inference worker",
+                                  ["worker"], registry=r)
+        self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)

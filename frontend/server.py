@@ -1,0 +1,607 @@
+"""The client-facing frontend process: asyncio (uvloop) + ZeroMQ ROUTER, speaking docs/protocol.md.
+
+Per request: validate -> pick an inference worker (affinity, least loaded, or round robin) -> wait in
+that worker's bounded queue for a free input slot (`overloaded` when the queue is full) -> copy the
+tensors into the slot -> InferTask. InferDone frees the input slot; `infer` replies with the mouths,
+`composite` waits for one CompositeDone per chunk of the batch. Any end (reply, error, deadline,
+a dead process) frees the request's slots: `ReleaseTask` tells the worker to free its output slot.
+Every request gets exactly one reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from config import Config
+from config.assets import frame_index
+from frontend import protocol as P
+from frontend.catalog import Catalog, CatalogError, ModelSpec
+from frontend.metrics import Metrics
+from frontend.validate import VISUAL_BYTES, RequestError, Tensors, check_request, check_tensors, parse_header
+from shm.child import child_main
+from shm.endpoints import RunSpec, make_socket
+from shm.messages import (Chunk, CompositeDone, InferDone, InferTask, LoadDone, LoadModel, ModelEvent,
+                          ProcessEvent, ReleaseTask, StatsQuery, StatsReport, UnloadModel, decode, encode)
+from shm.ring import SlotRing, StaleHandle
+
+log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 2.0
+AUDIO_ALIGN = 64
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("lipsync-serve")
+    except Exception:
+        return "0.0.0"
+
+
+@dataclass
+class Client:
+    sock: Any                      # the ROUTER socket the request came in on
+    envelope: list                 # routing id(s) + empty delimiter, sent back as is
+
+
+@dataclass
+class Pending:
+    req: int
+    op: P.Op
+    header: P.RequestHeader
+    client: Client
+    t0: float
+    timer: Optional[asyncio.TimerHandle] = None
+    worker: Optional[int] = None
+    spec: Optional[ModelSpec] = None
+    tensors: Optional[Tensors] = None
+    frames: list[int] = field(default_factory=list)
+    in_slot: bool = False          # holds an input slot of its worker
+    dispatched: float = 0.0
+    chunks: dict[int, int] = field(default_factory=dict)   # chunk start -> compositor, until done
+    images: dict[int, list] = field(default_factory=dict)  # chunk start -> encoded frames
+    timing: dict[str, float] = field(default_factory=dict)
+    width: int = 0
+    height: int = 0
+    waiting_on: set[int] = field(default_factory=set)      # workers a multi-worker op still waits for
+    results: list = field(default_factory=list)
+
+
+@dataclass
+class Worker:
+    index: int
+    device: str
+    ring: SlotRing
+    sock: Any
+    state: str = "starting"
+    pid: Optional[int] = None
+    restarts: int = 0
+    queue: deque = field(default_factory=deque)   # Pending waiting for an input slot
+    active: set[int] = field(default_factory=set) # requests assigned here and not finished
+    models: set[str] = field(default_factory=set)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass
+class Proc:
+    state: str = "starting"
+    pid: Optional[int] = None
+    restarts: int = 0
+    active: set[int] = field(default_factory=set)
+
+
+class Frontend:
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
+        self.config, self.run_spec = config, run
+        self.device = "cpu"
+        self.ctx = zmq.asyncio.Context.shadow(ctx)
+        self.catalog = Catalog(config)
+        self.metrics = Metrics()
+        self.requests: dict[int, Pending] = {}
+        self._ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._stopping = False
+        self.started = time.monotonic()
+        lim = config.limits
+        self.clients = []
+        for endpoint in config.frontend.bind:
+            network = not endpoint.startswith(("ipc://", "inproc://"))
+            self.clients.append(make_socket(self.ctx, zmq.ROUTER, bind=endpoint,
+                                            max_message_bytes=lim.max_message_bytes if network else None))
+        self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend)
+        self.workers = []
+        for i, (addr, spec) in enumerate(zip(run.endpoints.gpu, run.input_rings)):
+            ring = SlotRing.attach(spec)
+            ring.become_writer()   # the frontend is the one writer of every input ring
+            self.workers.append(Worker(i, run.devices[i], ring, make_socket(self.ctx, zmq.PUSH, connect=addr)))
+        self.compositors = [Proc() for _ in run.endpoints.cpu]
+        self.metrics.serve(config.metrics.host, config.metrics.port)
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import uvloop
+        uvloop.run(self._main())
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
+        # does not know them: close each here, or the context's term() blocks forever.
+        for sock in self.clients:
+            sock.close(linger=1000)  # let the last replies leave
+        for sock in [self.pull, *(w.sock for w in self.workers)]:
+            sock.close(linger=0)
+        for worker in self.workers:
+            worker.ring.close()
+        for ring in getattr(self, "_outputs", []):
+            ring.close()
+
+    async def _main(self) -> None:
+        readers = [asyncio.create_task(self._read_clients(s)) for s in self.clients]
+        readers.append(asyncio.create_task(self._read_internal()))
+        while not self._stopping:
+            await asyncio.sleep(0.1)  # the SIGTERM flag; every real wait is a socket read
+        # Stop accepting, then let in-flight requests finish up to the shutdown deadline.
+        for task in readers[:-1]:
+            task.cancel()
+        deadline = time.monotonic() + self.config.supervisor.shutdown_timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p in list(self.requests.values()):
+            self._finish(p, code="unavailable", message="the server is shutting down; retry on another server")
+        readers[-1].cancel()
+
+    async def _read_clients(self, sock) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                await self._on_request(sock, frames)
+            except Exception:  # a bug must not kill the reader; the client still gets a reply
+                log.exception("request handling failed")
+
+    async def _read_internal(self) -> None:
+        while True:
+            frames = await self.pull.recv_multipart(copy=False)
+            try:
+                self._on_internal(decode(frames[0].buffer), frames[1:])
+            except Exception:
+                log.exception("internal message handling failed")
+
+    # -- replies ----------------------------------------------------------------------------
+
+    def _send(self, client: Client, header: bytes, data: list = ()) -> None:
+        client.sock.send_multipart([*client.envelope, header, *data], copy=False)
+
+    def _error(self, client: Client, request_id, code: P.ErrorCode | str, message: str) -> None:
+        self._send(client, P.error_reply(request_id, P.ErrorCode(code), message))
+
+    def _finish(self, p: Pending, header: Optional[bytes] = None, data: list = (), *,
+                code: Optional[str] = None, message: str = "") -> None:
+        """The one exit of every request: reply once, free everything it holds."""
+        if self.requests.pop(p.req, None) is None:
+            return
+        if p.timer is not None:
+            p.timer.cancel()
+        if code is not None:
+            self._error(p.client, p.header.id, code, message)
+        else:
+            self._send(p.client, header, data)
+        self.metrics.requests.labels(p.op.value, p.header.model or "", code or "ok").inc()
+        total_ms = (time.monotonic() - p.t0) * 1000
+        self.metrics.latency.labels("total").observe(total_ms)
+        for proc in self.compositors:
+            proc.active.discard(p.req)
+        if p.worker is not None:
+            worker = self.workers[p.worker]
+            worker.active.discard(p.req)
+            if p in worker.queue:
+                worker.queue.remove(p)
+            if p.in_slot:
+                worker.ring.release_request(p.req)
+            if p.dispatched:
+                worker.sock.send(encode(ReleaseTask(req=p.req)))
+            self._gauges(worker)
+            self._pump(worker)
+
+    def _gauges(self, worker: Worker) -> None:
+        label = str(worker.index)
+        self.metrics.queue_depth.labels(label).set(len(worker.active))
+        self.metrics.slots_in_use.labels(label).set(worker.ring.slots_in_use())
+        self.metrics.models_loaded.labels(label).set(len(worker.models))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def _on_request(self, sock, frames: list) -> None:
+        # Envelope: routing id, then frames up to and including the empty delimiter.
+        delim = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
+        if delim is None:  # a DEALER that sent no delimiter: answer in kind
+            client, body = Client(sock, [frames[0]]), frames[1:]
+        else:
+            client, body = Client(sock, frames[: delim + 1]), frames[delim + 1:]
+        if not body:
+            self._error(client, None, P.ErrorCode.BAD_REQUEST, "empty request: send [header, payload...]")
+            return
+        try:
+            header = parse_header(body[0].bytes)
+            payload = [f.buffer for f in body[1:]]
+            check_request(header, payload, self.config.limits.max_batch)
+        except RequestError as err:
+            self.metrics.requests.labels("invalid", "", err.code.value).inc()
+            self._error(client, err.request_id, err.code, err.message)
+            return
+        p = Pending(next(self._ids), header.op, header, client, time.monotonic())
+        self.requests[p.req] = p
+        timeout_s = header.timeout_ms / 1000 if header.timeout_ms else self.config.limits.request_timeout_s
+        p.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, p.req)
+        handler = {
+            P.Op.HEALTH: self._health, P.Op.MODELS: self._models, P.Op.LOAD: self._load,
+            P.Op.UNLOAD: self._unload, P.Op.STATS: self._stats, P.Op.INFER: self._tensor_op,
+            P.Op.COMPOSITE: self._tensor_op,
+        }[header.op]
+        try:
+            await handler(p, payload)
+        except RequestError as err:
+            self._finish(p, code=err.code.value, message=err.message)
+        except Exception as err:  # a bug: the client still gets exactly one reply
+            log.exception("op %s failed", header.op.value)
+            self._finish(p, code="internal", message=f"{type(err).__name__}: {err}")
+
+    def _expire(self, req: int) -> None:
+        p = self.requests.get(req)
+        if p is None:
+            return
+        where = "in the queue" if p.worker is not None and p in self.workers[p.worker].queue else "in flight"
+        limit = p.header.timeout_ms or int(self.config.limits.request_timeout_s * 1000)
+        self._finish(p, code="timeout", message=f"no result within {limit} ms (request was {where}); raise "
+                     "timeout_ms or limits.request_timeout_s, or send less work at once")
+
+    async def _spec(self, p: Pending) -> ModelSpec:
+        spec = await self.catalog.get(p.header.model)
+        if isinstance(spec, CatalogError):
+            raise RequestError(P.ErrorCode(spec.code), spec.message, p.header.id)
+        return spec
+
+    def _pick_worker(self, model: str) -> Optional[Worker]:
+        ready = [w for w in self.workers if w.ready]
+        if not ready:
+            return None
+        policy = self.config.frontend.routing
+        if policy == "round_robin":
+            return ready[next(self._rr) % len(ready)]
+        if policy == "affinity":
+            warm = [w for w in ready if model in w.models]
+            if warm:
+                ready = warm
+        return min(ready, key=lambda w: (len(w.active), w.index))
+
+    async def _tensor_op(self, p: Pending, payload: list) -> None:
+        spec = p.spec = await self._spec(p)
+        p.tensors = check_tensors(p.header, payload, spec.audio_shape)
+        if p.op is P.Op.COMPOSITE:
+            p.frames = [frame_index(p.header.start_frame + i, spec.frames, spec.order) for i in range(p.header.batch)]
+            p.width, p.height = spec.width, spec.height
+        if p.req not in self.requests:
+            return  # expired while the catalog read the model's files
+        worker = self._pick_worker(spec.id)
+        if worker is None:
+            raise RequestError(P.ErrorCode.UNAVAILABLE, "no inference worker is ready (starting or restarting); "
+                               "retry shortly", p.header.id)
+        if len(worker.queue) >= self.config.limits.queue_depth:
+            raise RequestError(P.ErrorCode.OVERLOADED, f"inference worker {worker.index} has "
+                               f"{len(worker.queue)} requests queued (limits.queue_depth); retry later",
+                               p.header.id)
+        p.worker = worker.index
+        worker.active.add(p.req)
+        worker.queue.append(p)
+        self._pump(worker)
+
+    def _pump(self, worker: Worker) -> None:
+        """Move queued requests into free input slots and hand them to the worker."""
+        while worker.queue and worker.ready:
+            p = worker.queue[0]
+            slot = worker.ring.try_acquire(p.req)
+            if slot is None:
+                break
+            worker.queue.popleft()
+            p.in_slot = True
+            try:
+                task = self._write_inputs(p, worker, slot)
+            except RequestError as err:
+                self._finish(p, code=err.code.value, message=err.message)
+                continue
+            except Exception as err:  # a bug: answer, free the slot, keep serving
+                log.exception("writing inputs failed")
+                self._finish(p, code="internal", message=f"{type(err).__name__}: {err}")
+                continue
+            p.dispatched = time.monotonic()
+            p.tensors = None  # the client's frames are no longer needed
+            worker.sock.send(encode(task))
+        self._gauges(worker)
+
+    def _write_inputs(self, p: Pending, worker: Worker, slot: int) -> InferTask:
+        batch, t = p.header.batch, p.tensors
+        ring, offset, visual_ref = worker.ring, 0, None
+        if t.visual is not None:
+            shape = (batch, 6, 320, 320)
+            ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(t.visual, "<f4").reshape(shape)
+            visual_ref = ring.ref(slot, 0, "float32", shape)
+            offset = (batch * VISUAL_BYTES + AUDIO_ALIGN - 1) // AUDIO_ALIGN * AUDIO_ALIGN
+        a_shape = (batch, *p.spec.audio_shape)
+        audio = np.frombuffer(t.audio, "<f4")
+        ring.writable(slot, offset, "float32", a_shape)[...] = audio.reshape(a_shape if t.audio_per_frame
+                                                                             else p.spec.audio_shape)
+        audio_ref = ring.ref(slot, offset, "float32", a_shape)
+        plan = self._plan(p) if p.op is P.Op.COMPOSITE else []
+        fmt = p.header.format or self.config.output.format
+        quality = p.header.quality or self.config.output.quality
+        deadline = time.monotonic() + (p.timer.when() - asyncio.get_running_loop().time())
+        return InferTask(req=p.req, model=p.spec.id, batch=batch, audio=audio_ref, visual=visual_ref,
+                         frames=p.frames or list(range(batch)), plan=plan, format=fmt, quality=quality,
+                         deadline=deadline, enqueued=p.t0)
+
+    def _plan(self, p: Pending) -> list[Chunk]:
+        """Split the batch over the ready compositing processes, least busy first."""
+        ready = [i for i, c in enumerate(self.compositors) if c.state == "ready"]
+        if not ready:
+            raise RequestError(P.ErrorCode.UNAVAILABLE, "no compositing process is ready (restarting); retry "
+                               "shortly", p.header.id)
+        batch = p.header.batch
+        n = min(batch, len(ready))
+        # Least busy first; ties rotate so that equal processes share the work.
+        turn = next(self._rr)
+        ready.sort(key=lambda i: (len(self.compositors[i].active), (i + turn) % len(self.compositors)))
+        bounds = np.linspace(0, batch, n + 1).astype(int)
+        plan = [Chunk(ready[k], int(bounds[k]), int(bounds[k + 1])) for k in range(n)]
+        for chunk in plan:
+            p.chunks[chunk.start] = chunk.compositor
+            self.compositors[chunk.compositor].active.add(p.req)
+        return plan
+
+    # -- internal messages ------------------------------------------------------------------
+
+    def _on_internal(self, msg, data: list) -> None:
+        if isinstance(msg, InferDone):
+            self._infer_done(msg)
+        elif isinstance(msg, CompositeDone):
+            self._composite_done(msg, data)
+        elif isinstance(msg, (LoadDone, StatsReport)):
+            self._gathered(msg)
+        elif isinstance(msg, ModelEvent):
+            self._model_event(msg)
+        elif isinstance(msg, ProcessEvent):
+            self._process_event(msg)
+
+    def _infer_done(self, msg: InferDone) -> None:
+        p = self.requests.get(msg.req)
+        worker = self.workers[msg.worker]
+        if p is None or p.worker != msg.worker:
+            # The request ended first (deadline, dead process): make sure its output slot is freed.
+            worker.sock.send(encode(ReleaseTask(req=msg.req)))
+            return
+        worker.ring.release_request(p.req)
+        p.in_slot = False
+        self._pump(worker)
+        p.timing.update(queue_ms=msg.queue_ms, inference_ms=msg.inference_ms)
+        self.metrics.latency.labels("queue").observe(msg.queue_ms)
+        if not msg.ok:
+            self._finish(p, code=msg.code, message=msg.message)
+            return
+        self.metrics.latency.labels("inference").observe(msg.inference_ms)
+        if p.op is P.Op.INFER:
+            self._reply_infer(p, worker, msg)
+
+    def _reply_infer(self, p: Pending, worker: Worker, msg: InferDone) -> None:
+        # Read the mouths straight from the worker's output ring; copied into the reply frames.
+        ring = self._output_ring(worker.index)
+        try:
+            mouths = ring.read(msg.output)
+            data = [mouths[i].tobytes() for i in range(p.header.batch)]
+            ring.verify(msg.output)
+        except StaleHandle as err:
+            self._finish(p, code="unavailable", message=f"the worker restarted while the reply was read ({err})")
+            return
+        p.timing["total_ms"] = (time.monotonic() - p.t0) * 1000
+        header = P.encode(P.InferReply(id=p.header.id, batch=p.header.batch, timing=P.Timing(**p.timing),
+                                       worker=P.WorkerInfo(device=worker.device, index=worker.index)))
+        self.metrics.frames.labels(p.spec.id).inc(p.header.batch)
+        self._finish(p, header, data)
+
+    def _output_ring(self, index: int) -> SlotRing:
+        rings = getattr(self, "_outputs", None)
+        if rings is None:
+            rings = self._outputs = [SlotRing.attach(s) for s in self.run_spec.output_rings]
+        return rings[index]
+
+    def _composite_done(self, msg: CompositeDone, data: list) -> None:
+        p = self.requests.get(msg.req)
+        if p is None or msg.start not in p.chunks:
+            return
+        del p.chunks[msg.start]
+        if not msg.ok:
+            self._finish(p, code=msg.code, message=msg.message)
+            return
+        p.images[msg.start] = data
+        p.timing["composite_ms"] = max(p.timing.get("composite_ms", 0.0), msg.composite_ms)
+        self.metrics.latency.labels("composite").observe(msg.composite_ms)
+        self.metrics.store.labels(p.spec.id, "hit").inc(msg.hits)
+        self.metrics.store.labels(p.spec.id, "miss").inc(msg.misses)
+        if p.chunks:
+            return
+        worker = self.workers[p.worker]
+        p.timing["total_ms"] = (time.monotonic() - p.t0) * 1000
+        header = P.encode(P.CompositeReply(
+            id=p.header.id, batch=p.header.batch, format=p.header.format or self.config.output.format,
+            width=msg.width, height=msg.height, frames=p.frames, timing=P.Timing(**p.timing),
+            worker=P.WorkerInfo(device=worker.device, index=worker.index)))
+        images = [img for start in sorted(p.images) for img in p.images[start]]
+        self.metrics.frames.labels(p.spec.id).inc(p.header.batch)
+        self._finish(p, header, images)
+
+    def _model_event(self, msg: ModelEvent) -> None:
+        worker = self.workers[msg.worker]
+        if msg.event == "loaded":
+            worker.models.add(msg.model)
+            self.metrics.load_ms.observe(msg.load_ms)
+        else:
+            worker.models.discard(msg.model)
+        self.metrics.model_events.labels(msg.event).inc()
+        self._gauges(worker)
+
+    def _process_event(self, msg: ProcessEvent) -> None:
+        if msg.role == "gpu":
+            proc = self.workers[msg.index]
+        elif msg.role == "cpu":
+            proc = self.compositors[msg.index]
+        else:
+            return
+        was_ready = proc.state == "ready"
+        if msg.restarts > proc.restarts:
+            self.metrics.restarts.labels(msg.role).inc(msg.restarts - proc.restarts)
+        proc.state, proc.pid, proc.restarts = msg.state, msg.pid, msg.restarts
+        if msg.state == "ready":
+            if isinstance(proc, Worker):
+                self._pump(proc)
+            return
+        if not was_ready and msg.state != "died":
+            return
+        # The process is gone: everything it held gets `unavailable` now, never silence.
+        reason = (f"{'inference worker' if msg.role == 'gpu' else 'compositing process'} {msg.index} died "
+                  "and is restarting; retry")
+        for req in list(proc.active):
+            p = self.requests.get(req)
+            if p is not None:
+                self._finish(p, code="unavailable", message=reason)
+        proc.active.clear()
+        if isinstance(proc, Worker):
+            proc.models.clear()
+            for p in list(proc.queue):
+                self._finish(p, code="unavailable", message=reason)
+            proc.ring.become_writer()
+
+    # -- control ops ------------------------------------------------------------------------
+
+    async def _health(self, p: Pending, payload: list) -> None:
+        procs = [P.ProcessInfo(role="frontend", index=0, pid=os.getpid(), state="ready")]
+        procs += [P.ProcessInfo(role="gpu", index=w.index, pid=w.pid, state=w.state, restarts=w.restarts,
+                                device=w.device) for w in self.workers]
+        procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state, restarts=c.restarts, device="cpu")
+                  for i, c in enumerate(self.compositors)]
+        states = {pr.state for pr in procs}
+        if states == {"ready"}:
+            status = "ready"
+        elif all(pr.restarts == 0 and pr.state in ("starting", "ready") for pr in procs):
+            status = "starting"
+        else:
+            status = "degraded"
+        loaded: dict[str, list[int]] = {}
+        for w in self.workers:
+            for model in w.models:
+                loaded.setdefault(model, []).append(w.index)
+        self._finish(p, P.encode(P.HealthReply(id=p.header.id, status=status, processes=procs,
+                                               models_loaded=loaded, version=_version())))
+
+    async def _models(self, p: Pending, payload: list) -> None:
+        ids = self.catalog.ids()
+        specs = await asyncio.gather(*(self.catalog.get(i) for i in ids))
+        models = []
+        for model_id, spec in zip(ids, specs):
+            loaded_on = [w.index for w in self.workers if model_id in w.models]
+            if isinstance(spec, CatalogError):
+                models.append(P.ModelInfo(id=model_id, loaded_on=loaded_on, error=spec.message))
+            else:
+                models.append(P.ModelInfo(id=model_id, frames=spec.frames, width=spec.width, height=spec.height,
+                                          audio_shape=list(spec.audio_shape), loaded_on=loaded_on))
+        self._finish(p, P.encode(P.ModelsReply(id=p.header.id, models=models)))
+
+    async def _load(self, p: Pending, payload: list) -> None:
+        await self._spec(p)
+        worker = self._pick_worker(p.header.model)
+        if worker is None:
+            raise RequestError(P.ErrorCode.UNAVAILABLE, "no inference worker is ready; retry shortly", p.header.id)
+        p.waiting_on = {worker.index}
+        worker.sock.send(encode(LoadModel(req=p.req, model=p.header.model)))
+
+    async def _unload(self, p: Pending, payload: list) -> None:
+        if p.header.model not in self.catalog.ids():
+            raise RequestError(P.ErrorCode.UNKNOWN_MODEL, f"unknown model {p.header.model!r}", p.header.id)
+        targets = [w for w in self.workers if w.ready and p.header.model in w.models]
+        if not targets:
+            self._finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=[])))
+            return
+        p.waiting_on = {w.index for w in targets}
+        for w in targets:
+            w.sock.send(encode(UnloadModel(req=p.req, model=p.header.model)))
+
+    async def _stats(self, p: Pending, payload: list) -> None:
+        targets = [w for w in self.workers if w.ready]
+        p.waiting_on = {w.index for w in targets}
+        for w in targets:
+            w.sock.send(encode(StatsQuery(req=p.req)))
+        if not targets:
+            self._stats_reply(p)
+            return
+        asyncio.get_running_loop().call_later(STATS_TIMEOUT_S, self._stats_reply, p)
+
+    def _gathered(self, msg: LoadDone | StatsReport) -> None:
+        p = self.requests.get(msg.req)
+        if p is None or msg.worker not in p.waiting_on:
+            return
+        p.waiting_on.discard(msg.worker)
+        p.results.append(msg)
+        if p.waiting_on:
+            return
+        if p.op is P.Op.STATS:
+            self._stats_reply(p)
+            return
+        failed = next((r for r in p.results if not r.ok), None)
+        if failed is not None:
+            self._finish(p, code=failed.code, message=failed.message)
+            return
+        loaded_on = [w.index for w in self.workers if p.header.model in w.models]
+        if p.op is P.Op.LOAD:
+            loaded_on = sorted(set(loaded_on) | {r.worker for r in p.results})
+        else:
+            loaded_on = [i for i in loaded_on if i not in {r.worker for r in p.results}]
+        self._finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=loaded_on,
+                                             load_ms=max(r.load_ms for r in p.results))))
+
+    def _stats_reply(self, p: Pending) -> None:
+        if p.req not in self.requests:
+            return
+        models: dict[str, dict[str, Any]] = {}
+        workers = []
+        for report in p.results:
+            workers.append({"index": report.worker, "device": report.device, "loaded": report.loaded,
+                            "queue": report.queue})
+            for model, s in report.models.items():
+                merged = models.setdefault(model, {})
+                for key, value in s.items():
+                    if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
+                        merged[key] = max(merged.get(key, 0.0), value)
+                    else:
+                        merged[key] = merged.get(key, 0) + value
+        if p.header.model is not None:
+            models = {k: v for k, v in models.items() if k == p.header.model}
+        missing = sorted(p.waiting_on)
+        if missing:
+            workers += [{"index": i, "error": "no answer within 2 s"} for i in missing]
+        self._finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers)))
+
+
+def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
+    child_main("frontend", index, run, lambda ctx: Frontend(ctx, config, run))

@@ -1,0 +1,207 @@
+"""Write ONNX models with unet_328's inputs, outputs, architecture and cost, with random weights.
+
+SyncTalk_2D's unet_328 (batch-norm folded into the convolutions, as an export for inference has it):
+
+    visual [B,6,320,320] -> inc IR(6->32) -> down1..5 (32,64,128,256,512; each DoubleConvDW stride 2)
+                             320            160,80,40,20,10
+    audio  [B,*A]        -> audio branch -> 512 x 10 x 10
+    concat (1024) -> fuse DoubleConvDW 1024->512, 512->256
+    up1..5: bilinear x2 (align_corners) + skip concat + DoubleConvDW -> 128, 64, 32, 32, 16
+    1x1 conv 16->3 -> sigmoid -> output [B,3,320,320]
+
+InvertedResidual (IR) = 1x1 conv (expand 2) -> ReLU -> 3x3 depthwise (stride s) -> ReLU -> 1x1 conv,
+plus the input when shapes match. About 12.2 M parameters and 4.9 GMAC per frame (`describe`).
+
+`tiny` has the same inputs and output but costs almost nothing: sigmoid(1x1 conv(visual) + mean(audio)).
+
+CLI: python -m gpu_actor.model_builder OUT.onnx [--kind unet328|tiny] [--audio ave|hubert|wenet]
+     [--seed N] [--batch N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+AUDIO_SHAPES = {"ave": (32, 16, 16), "hubert": (32, 32, 32), "wenet": (256, 16, 32)}
+OPSET = 11
+
+
+class _Graph:
+    """Accumulates nodes and initializers; every op returns its output name."""
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.params = 0
+        self._n = 0
+
+    def _name(self, kind: str) -> str:
+        self._n += 1
+        return f"{kind}_{self._n}"
+
+    def _init(self, array: np.ndarray, kind: str) -> str:
+        name = self._name(kind)
+        self.inits.append(numpy_helper.from_array(array.astype(np.float32), name))
+        self.params += array.size
+        return name
+
+    def conv(self, x: str, cin: int, cout: int, k: int, stride=1, pad=0, groups=1, gain=1.0) -> str:
+        fan_in = cin // groups * k * k
+        w = self.rng.normal(0.0, gain * np.sqrt(2.0 / fan_in), (cout, cin // groups, k, k))
+        b = self.rng.normal(0.0, 0.01, (cout,))  # the folded batch-norm shift
+        strides = list(stride) if isinstance(stride, tuple) else [stride, stride]
+        out = self._name("conv")
+        self.nodes.append(helper.make_node(
+            "Conv", [x, self._init(w, "w"), self._init(b, "b")], [out], kernel_shape=[k, k],
+            strides=strides, pads=[pad] * 4, group=groups))
+        return out
+
+    def op(self, kind: str, *inputs: str, **attrs) -> str:
+        out = self._name(kind.lower())
+        self.nodes.append(helper.make_node(kind, list(inputs), [out], **attrs))
+        return out
+
+    def relu(self, x: str) -> str:
+        return self.op("Relu", x)
+
+    def inverted_residual(self, x: str, cin: int, cout: int, stride=1, residual=False) -> str:
+        hidden = cin * 2
+        y = self.relu(self.conv(x, cin, hidden, 1))
+        y = self.relu(self.conv(y, hidden, hidden, 3, stride, 1, groups=hidden))
+        # Residual branches start small so that deep stacks keep activations in range.
+        y = self.conv(y, hidden, cout, 1, gain=0.3 if residual else 1.0)
+        return self.op("Add", x, y) if residual else y
+
+    def double_conv(self, x: str, cin: int, cout: int, stride: int) -> str:
+        y = self.inverted_residual(x, cin, cout, stride)
+        return self.inverted_residual(y, cout, cout, 1, residual=True)
+
+    def up(self, x: str, skip: str, cin: int, cout: int) -> str:
+        empty = self._init(np.zeros((0,), np.float32), "roi")
+        scales = self._init(np.array([1, 1, 2, 2], np.float32), "scales")
+        self.params -= 4  # resize scales are not parameters
+        y = self.op("Resize", x, empty, scales, mode="linear",
+                    coordinate_transformation_mode="align_corners")
+        return self.double_conv(self.op("Concat", y, skip, axis=1), cin, cout, 1)
+
+
+def _audio_branch(g: _Graph, a: str, audio: str) -> str:
+    """SyncTalk_2D's AudioConvAve / AudioConvHubert / AudioConvWenet: features -> 512 x 10 x 10."""
+    if audio == "wenet":
+        y = g.inverted_residual(a, 256, 256, residual=True)
+        y = g.inverted_residual(y, 256, 256, residual=True)
+        stride3 = (1, 2)
+    else:
+        y = g.inverted_residual(a, 32, 64)
+        y = g.inverted_residual(y, 64, 128)
+        stride3 = 2 if audio == "hubert" else 1
+    y = g.relu(g.conv(y, 128 if audio != "wenet" else 256, 256, 3, stride3, 1))
+    y = g.inverted_residual(y, 256, 256, residual=True)
+    y = g.relu(g.conv(y, 256, 512, 3, 2, 3))
+    y = g.inverted_residual(y, 512, 512, residual=True)
+    return g.inverted_residual(y, 512, 512, residual=True)
+
+
+def _unet328(g: _Graph, visual: str, audio_in: str, audio: str) -> str:
+    ch = [32, 64, 128, 256, 512]
+    x1 = g.inverted_residual(visual, 6, ch[0])
+    x2 = g.double_conv(x1, ch[0], ch[0], 2)
+    x3 = g.double_conv(x2, ch[0], ch[1], 2)
+    x4 = g.double_conv(x3, ch[1], ch[2], 2)
+    x5 = g.double_conv(x4, ch[2], ch[3], 2)
+    x6 = g.double_conv(x5, ch[3], ch[4], 2)
+    a = _audio_branch(g, audio_in, audio)
+    y = g.op("Concat", x6, a, axis=1)
+    y = g.double_conv(y, ch[4] * 2, ch[4], 1)
+    y = g.double_conv(y, ch[4], ch[3], 1)
+    y = g.up(y, x5, ch[4], ch[3] // 2)
+    y = g.up(y, x4, ch[3], ch[2] // 2)
+    y = g.up(y, x3, ch[2], ch[1] // 2)
+    y = g.up(y, x2, ch[1], ch[0])
+    y = g.up(y, x1, ch[1], ch[0] // 2)
+    return g.conv(y, ch[0] // 2, 3, 1, gain=0.05)  # random weights: keep the sigmoid out of saturation
+
+
+def _tiny(g: _Graph, visual: str, audio_in: str) -> str:
+    v = g.conv(visual, 6, 3, 1, gain=0.5)
+    a = g.op("ReduceMean", audio_in, axes=[1, 2, 3], keepdims=1)
+    return g.op("Add", v, a)
+
+
+def build_model(kind: str = "unet328", audio: str = "ave", seed: int = 0, batch: Optional[int] = None,
+                visual_name: str = "input", audio_name: str = "audio") -> onnx.ModelProto:
+    if audio not in AUDIO_SHAPES:
+        raise ValueError(f"audio must be one of {sorted(AUDIO_SHAPES)}, got {audio!r}")
+    g = _Graph(seed)
+    b = batch if batch is not None else "batch"
+    if kind == "unet328":
+        logits = _unet328(g, visual_name, audio_name, audio)
+    elif kind == "tiny":
+        logits = _tiny(g, visual_name, audio_name)
+    else:
+        raise ValueError(f"kind must be 'unet328' or 'tiny', got {kind!r}")
+    g.nodes.append(helper.make_node("Sigmoid", [logits], ["output"]))
+    graph = helper.make_graph(
+        g.nodes, f"{kind}_{audio}",
+        [helper.make_tensor_value_info(visual_name, TensorProto.FLOAT, [b, 6, 320, 320]),
+         helper.make_tensor_value_info(audio_name, TensorProto.FLOAT, [b, *AUDIO_SHAPES[audio]])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [b, 3, 320, 320])],
+        g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="lipsync-serve.model_builder")
+    model.ir_version = 7  # what opset 11 pairs with; loadable by every onnxruntime since 1.6
+    model.metadata_props.append(onnx.StringStringEntryProto(key="parameters", value=str(g.params)))
+    onnx.checker.check_model(model)
+    return model
+
+
+def write_model(path: str | Path, **kwargs) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".onnx.tmp")
+    onnx.save(build_model(**kwargs), str(tmp))
+    tmp.replace(path)  # never leave a half-written model where a server may load it
+    return path
+
+
+def describe(model: onnx.ModelProto) -> dict:
+    """Parameters and multiply-accumulates per frame (convolutions only, as thop counts them)."""
+    from onnx import shape_inference
+    inferred = shape_inference.infer_shapes(model)
+    shapes = {v.name: [d.dim_value or 1 for d in v.type.tensor_type.shape.dim]
+              for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    weights = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    macs = 0
+    for node in model.graph.node:
+        if node.op_type == "Conv":
+            cout, cin_per_group, kh, kw = weights[node.input[1]]
+            out = shapes[node.output[0]]
+            macs += cout * cin_per_group * kh * kw * out[2] * out[3]
+    params = sum(int(np.prod(d)) for n, d in weights.items() if not n.startswith(("roi", "scales")))
+    return {"parameters": params, "gmac_per_frame": macs / 1e9}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_actor.model_builder", description=__doc__.split("\n")[0])
+    parser.add_argument("out", help="path of the .onnx file to write")
+    parser.add_argument("--kind", choices=["unet328", "tiny"], default="unet328")
+    parser.add_argument("--audio", choices=sorted(AUDIO_SHAPES), default="ave")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=None, help="fixed batch size (default: dynamic)")
+    args = parser.parse_args(argv)
+    path = write_model(args.out, kind=args.kind, audio=args.audio, seed=args.seed, batch=args.batch)
+    info = describe(onnx.load(str(path)))
+    print(f"wrote {path}: {args.kind}/{args.audio}, {info['parameters'] / 1e6:.2f} M parameters, "
+          f"{info['gmac_per_frame']:.2f} GMAC per frame")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""The models one inference worker holds: lazy loads off the request path, caps, eviction, stats.
+
+Loads run on one background thread (session creation and the warm-up run), so a worker keeps
+serving its other models while one loads; the loop learns of a finished load through `poll_loads`.
+Caps: `inference.max_models_per_worker` and `inference.max_model_bytes` (bytes measured after load:
+resident-memory delta on the CPU, device-memory delta on a GPU). Over a cap the idle model chosen by
+`inference.eviction` (lru | lfu) goes; a model with work queued or running is never evicted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import psutil
+
+from config.assets import AssetError
+from gpu_actor.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelStats:
+    requests: int = 0
+    frames: int = 0
+    errors: int = 0
+    loads: int = 0
+    evictions: int = 0
+    load_ms: float = 0.0
+    last_used: float = 0.0       # wall clock, for people
+    uses: int = 0
+    infer_ms: deque = field(default_factory=lambda: deque(maxlen=1024))
+
+    def as_dict(self) -> dict[str, float]:
+        ms = np.asarray(self.infer_ms) if self.infer_ms else np.zeros(1)
+        return {"requests": self.requests, "frames": self.frames, "errors": self.errors, "loads": self.loads,
+                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "last_used": self.last_used,
+                "inference_ms_p50": float(np.percentile(ms, 50)), "inference_ms_p99": float(np.percentile(ms, 99))}
+
+
+@dataclass
+class Loaded:
+    runner: ModelRunner
+    nbytes: int
+    last_used: float             # monotonic
+
+
+@dataclass
+class LoadResult:
+    model: str
+    runner: Optional[ModelRunner]
+    nbytes: int
+    load_ms: float
+    error: Optional[str]
+    code: str = ""
+
+
+class Registry:
+    def __init__(self, device: str, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
+                 threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
+                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None]):
+        self.device = device
+        self.max_models, self.max_bytes = max_models, max_bytes
+        self.eviction, self.idle_unload_s = eviction, idle_unload_s
+        self._threads, self._tensorrt = threads, tensorrt
+        self._resolve = resolve          # model id -> onnx path, or None if unknown
+        self._on_event = on_event        # (model, event, load_ms, nbytes)
+        self._wake = wake                # called from the load thread when a load finishes
+        self.loaded: dict[str, Loaded] = {}
+        self.loading: dict[str, cf.Future] = {}
+        self.stats: dict[str, ModelStats] = {}
+        self.busy: Counter[str] = Counter()   # tasks queued or running, per model
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.loaded.clear()
+
+    def stat(self, model: str) -> ModelStats:
+        return self.stats.setdefault(model, ModelStats())
+
+    # -- loading -----------------------------------------------------------------------------
+
+    def start_load(self, model: str) -> bool:
+        """Begin loading `model` unless it is loaded or loading; False if the id is unknown."""
+        if model in self.loaded or model in self.loading:
+            return True
+        path = self._resolve(model)
+        if path is None:
+            return False
+        self._make_room(extra=1)
+        future = self._pool.submit(self._load, model, path)
+        future.add_done_callback(lambda _: self._wake())
+        self.loading[model] = future
+        return True
+
+    def _load(self, model: str, path: Path) -> LoadResult:
+        t0 = time.perf_counter()
+        before = self._memory()
+        try:
+            runner = ModelRunner(path, self.device, self._threads, self._tensorrt)
+            runner.warm_up()
+        except AssetError as err:
+            return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
+        except Exception as err:  # a model must never take the worker down
+            return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {err}", "bad_request")
+        # The byte cap is checked on what the load really cost; never below the file's size.
+        nbytes = max(self._memory() - before, path.stat().st_size)
+        return LoadResult(model, runner, nbytes, (time.perf_counter() - t0) * 1000, None)
+
+    def _memory(self) -> int:
+        if self.device == "cpu":
+            return psutil.Process().memory_info().rss
+        from gpu_actor.cuda import device_memory_used
+        return device_memory_used(int(self.device.split(":")[1]))
+
+    def poll_loads(self) -> list[LoadResult]:
+        """Finished loads, now in the loaded set (or failed); call from the worker loop."""
+        done = []
+        for model, future in list(self.loading.items()):
+            if not future.done():
+                continue
+            del self.loading[model]
+            result = future.result()
+            stats = self.stat(model)
+            if result.runner is None:
+                stats.errors += 1
+                self._on_event(model, "failed", 0.0, 0)
+            else:
+                stats.loads += 1
+                stats.load_ms = result.load_ms
+                self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
+                self._on_event(model, "loaded", result.load_ms, result.nbytes)
+                self._make_room(extra=0, keep=model)
+            done.append(result)
+        return done
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def total_bytes(self) -> int:
+        return sum(m.nbytes for m in self.loaded.values())
+
+    def _over_cap(self, extra: int) -> bool:
+        if len(self.loaded) + len(self.loading) + extra > self.max_models:
+            return True
+        return bool(self.max_bytes) and self.total_bytes() > self.max_bytes
+
+    def _make_room(self, extra: int, keep: Optional[str] = None) -> None:
+        while self._over_cap(extra):
+            idle = [(m, s) for m, s in self.loaded.items() if not self.busy[m] and m != keep]
+            if not idle:
+                log.warning("model cap exceeded but every loaded model is busy; evicting later")
+                return
+            if self.eviction == "lfu":
+                victim = min(idle, key=lambda ms: (self.stat(ms[0]).uses, ms[1].last_used))[0]
+            else:
+                victim = min(idle, key=lambda ms: ms[1].last_used)[0]
+            self.stat(victim).evictions += 1
+            self._drop(victim, "evicted")
+
+    def _drop(self, model: str, event: str) -> None:
+        self.loaded.pop(model)
+        self._on_event(model, event, 0.0, 0)
+
+    def unload(self, model: str) -> bool:
+        """Unload now if idle; returns False if it is busy (the caller reports it)."""
+        state = self.loaded.get(model)
+        if state is None:
+            return True
+        if self.busy[model]:
+            return False
+        self._drop(model, "unloaded")
+        return True
+
+    def unload_idle(self, now: float) -> None:
+        if not self.idle_unload_s:
+            return
+        for model, state in list(self.loaded.items()):
+            if not self.busy[model] and now - state.last_used > self.idle_unload_s:
+                self._drop(model, "unloaded")
+
+    def touch(self, model: str, frames: int) -> None:
+        state = self.loaded[model]
+        state.last_used = time.monotonic()
+        stats = self.stat(model)
+        stats.uses += 1
+        stats.requests += 1
+        stats.frames += frames
+        stats.last_used = time.time()

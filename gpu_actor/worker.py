@@ -1,0 +1,242 @@
+"""The inference worker process: take a batch handle, run the model, write the mouths into a shm slot
+of this worker's output ring, and hand the slot on (to the compositing pool, or to the frontend for
+`infer`).
+
+Loop: one poll point over the task socket (tasks and control) and the load-completion socket.
+Tasks whose model is loading wait aside; every other model's tasks keep running meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import zmq
+
+from config import Config
+from config.assets import AssetCache, AssetError, model_paths
+from gpu_actor.registry import Registry
+from gpu_actor.visual import build_visual
+from shm.child import child_main
+from shm.endpoints import RunSpec, make_socket
+from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
+                          ResetRequests, Shutdown, StatsQuery, StatsReport, UnloadModel, decode, encode)
+from shm.ring import RingError, SlotRing, StaleHandle
+from shm.store import BackgroundStore, StoreError
+
+log = logging.getLogger(__name__)
+IDLE_TICK_MS = 1000
+
+
+class InferenceWorker:
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
+        self.config, self.run_spec, self.index = config, run, index
+        self.device = run.devices[index]
+        ep = run.endpoints
+        self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
+        self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
+        self.to_cpu = [make_socket(ctx, zmq.PUSH, connect=addr) for addr in ep.cpu]
+        wake_addr = f"inproc://gpu{index}-wake"
+        self._wake_rx = make_socket(ctx, zmq.PULL, bind=wake_addr)
+        self._wake_tx = make_socket(ctx, zmq.PUSH, connect=wake_addr)
+        self.inputs = SlotRing.attach(run.input_rings[index])
+        self.outputs = SlotRing.attach(run.output_rings[index])
+        self.outputs.become_writer()
+        self.store = BackgroundStore.attach(run.store)
+        inf = config.inference
+        self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
+                                 inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
+                                 self._model_event, lambda: self._wake_tx.send(b""))
+        self.queue: deque[InferTask] = deque()
+        self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
+        self.assets = AssetCache(config)
+        max_batch = config.limits.max_batch
+        self._visual = np.empty((max_batch, 6, 320, 320), np.float32)  # audio-only inputs are built here
+        self._stopping = False
+        self.poller = zmq.Poller()
+        self.poller.register(self.tasks, zmq.POLLIN)
+        self.poller.register(self._wake_rx, zmq.POLLIN)
+        for model in inf.preload:
+            self.registry.start_load(model)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _onnx_path(self, model: str) -> Optional[Path]:
+        paths = model_paths(self.config, model)
+        return paths.onnx if paths else None
+
+    def _model_event(self, model: str, event: str, load_ms: float, nbytes: int) -> None:
+        self.to_frontend.send(encode(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
+                                                nbytes=nbytes)))
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self.registry.close()
+        for ring in (self.inputs, self.outputs):
+            ring.close()
+        self.store.close()
+
+    # -- loop ---------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        next_tick = time.monotonic() + IDLE_TICK_MS / 1000
+        while not self._stopping:
+            timeout = 0 if self._runnable() is not None else IDLE_TICK_MS
+            self._drain(self.poller.poll(timeout))
+            task = self._runnable()
+            if task is not None:
+                self.queue.remove(task)
+                self._execute(task)
+            if time.monotonic() >= next_tick:
+                self.registry.unload_idle(time.monotonic())
+                self._expire_waiting()
+                next_tick = time.monotonic() + IDLE_TICK_MS / 1000
+
+    def _drain(self, events) -> None:
+        ready = dict(events)
+        if ready.get(self._wake_rx):
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+        self._finish_loads()
+        while self.tasks.poll(0):
+            self._handle(decode(self.tasks.recv()))
+
+    def _runnable(self) -> Optional[InferTask]:
+        return next((t for t in self.queue if t.model in self.registry.loaded), None)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, InferTask):
+            self.registry.busy[msg.model] += 1
+            self.queue.append(msg)
+            if msg.model not in self.registry.loaded and not self.registry.start_load(msg.model):
+                self._fail_model(msg.model, "unknown_model", f"unknown model {msg.model!r}: no such entry in "
+                                 "`models` and no such directory in `models_dir`")
+        elif isinstance(msg, ReleaseTask):
+            self.outputs.release_request(msg.req)
+        elif isinstance(msg, LoadModel):
+            self._load_op(msg)
+        elif isinstance(msg, UnloadModel):
+            ok = self.registry.unload(msg.model)
+            self.to_frontend.send(encode(LoadDone(
+                req=msg.req, worker=self.index, model=msg.model, ok=ok, code="" if ok else "overloaded",
+                message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
+        elif isinstance(msg, StatsQuery):
+            self.to_frontend.send(encode(StatsReport(
+                req=msg.req, worker=self.index, device=self.device,
+                models={m: s.as_dict() for m, s in self.registry.stats.items()},
+                loaded=sorted(self.registry.loaded), queue=len(self.queue))))
+        elif isinstance(msg, ResetRequests):
+            self.outputs.become_writer()
+        elif isinstance(msg, Shutdown):
+            self._stopping = True
+
+    def _load_op(self, msg: LoadModel) -> None:
+        if msg.model in self.registry.loaded:
+            self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
+                                                  load_ms=self.registry.stat(msg.model).load_ms)))
+            return
+        self.pending_loads.setdefault(msg.model, []).append(msg.req)
+        if not self.registry.start_load(msg.model):
+            self._fail_model(msg.model, "unknown_model", f"unknown model {msg.model!r}")
+
+    def _finish_loads(self) -> None:
+        for result in self.registry.poll_loads():
+            if result.error is not None:
+                log.warning("model %s failed to load: %s", result.model, result.error)
+                self._fail_model(result.model, result.code, result.error)
+                continue
+            for req in self.pending_loads.pop(result.model, []):
+                self.to_frontend.send(encode(LoadDone(req=req, worker=self.index, model=result.model, ok=True,
+                                                      load_ms=result.load_ms)))
+
+    def _fail_model(self, model: str, code: str, message: str) -> None:
+        """Answer every task and load request waiting on `model`, which cannot be loaded."""
+        for task in [t for t in self.queue if t.model == model]:
+            self.queue.remove(task)
+            self._done(task, code, message)
+        for req in self.pending_loads.pop(model, []):
+            self.to_frontend.send(encode(LoadDone(req=req, worker=self.index, model=model, ok=False, code=code,
+                                                  message=message)))
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for task in [t for t in self.queue if t.deadline and t.deadline < now]:
+            self.queue.remove(task)
+            self._done(task, "timeout", "the deadline passed while the model was loading")
+
+    def _done(self, task: InferTask, code: str = "", message: str = "", **fields) -> None:
+        self.registry.busy[task.model] -= 1
+        if code:
+            self.registry.stat(task.model).errors += 1
+        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=not code, code=code,
+                                               message=message, **fields)))
+
+    # -- one batch ---------------------------------------------------------------------------------
+
+    def _execute(self, task: InferTask) -> None:
+        started = time.monotonic()
+        queue_ms = (started - task.enqueued) * 1000 if task.enqueued else 0.0
+        if task.deadline and started > task.deadline:
+            self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
+            return
+        try:
+            slot = self.outputs.acquire(task.req, timeout_s=max(task.deadline - started, 0.001) if task.deadline else 30,
+                                        wait=self._wait_for_release)
+        except RingError as err:
+            self._done(task, "timeout", str(err))
+            return
+        try:
+            out = self.outputs.writable(slot, 0, "float32", (task.batch, 3, 320, 320))
+            visual = self._visual_input(task)
+            audio = self.inputs.read(task.audio)
+            t0 = time.perf_counter()
+            self.registry.loaded[task.model].runner.run(visual, audio, out)
+            inference_ms = (time.perf_counter() - t0) * 1000
+            for ref in (task.audio, task.visual):
+                if ref is not None:
+                    self.inputs.verify(ref)   # the frontend freed it mid-run: the result is not ours
+        except StaleHandle as err:
+            self.outputs.release(slot)
+            self._done(task, "timeout", f"request was cancelled while running ({err})")
+            return
+        except (AssetError, StoreError) as err:
+            self.outputs.release(slot)
+            self._done(task, "bad_request", str(err))
+            return
+        self.registry.touch(task.model, task.batch)
+        self.registry.stat(task.model).infer_ms.append(inference_ms)
+        ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
+        self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms)
+        for chunk in task.plan:
+            self.to_cpu[chunk.compositor].send(encode(CompositeTask(
+                req=task.req, model=task.model, worker=self.index, mouths=ref, start=chunk.start, end=chunk.end,
+                frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
+                deadline=task.deadline)))
+
+    def _wait_for_release(self, remaining_s: float) -> None:
+        """While every output slot is taken, keep handling messages: a ReleaseTask frees one."""
+        if self.tasks.poll(int(remaining_s * 1000) + 1):
+            self._handle(decode(self.tasks.recv()))
+
+    def _visual_input(self, task: InferTask) -> np.ndarray:
+        if task.visual is not None:
+            return self.inputs.read(task.visual)
+        assets = self.assets.get(task.model)
+        crops = []
+        for frame in task.frames:
+            _, crop, _ = self.store.fetch(task.model, frame, lambda f=frame: assets.decode(f), want_background=False)
+            crops.append(crop)
+        visual = self._visual[: task.batch]
+        build_visual(crops, visual)
+        return visual
+
+
+
+def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:
+    child_main("gpu", index, run, lambda ctx: InferenceWorker(ctx, config, run, index))

@@ -1,0 +1,66 @@
+"""The common life of every child process: title, log prefix, faulthandler, READY, death report.
+
+Each role's entry is `run_<role>_process(config, run, index)`, which calls `child_main` with a
+builder for its actor. The actor reports READY only once built (sockets bound, shm attached);
+an exception is reported to the supervisor (in-band death) before the process exits non-zero.
+SIGINT is ignored (the supervisor owns Ctrl-C); SIGTERM asks the actor to stop.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import Callable, Protocol
+
+import zmq
+
+from shm.endpoints import RunSpec, make_socket
+from shm.messages import Fatal, Ready, encode
+
+
+class Actor(Protocol):
+    device: str
+
+    def run(self) -> None: ...
+    def stop(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def set_process_title(title: str) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(title[:15])
+    except OSError:
+        pass
+
+
+def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context], Actor]) -> None:
+    set_process_title(f"lsync-{role}{index}")
+    logging.basicConfig(level=os.environ.get("LIPSYNC_LOG", "INFO"), stream=sys.stderr,
+                        format=f"%(asctime)s {role}{index} %(levelname)s %(message)s")
+    faulthandler.enable()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    supervisor = make_socket(ctx, zmq.PUSH, connect=run.endpoints.supervisor)
+    actor = None
+    try:
+        actor = build(ctx)
+        signal.signal(signal.SIGTERM, lambda *_: actor.stop())
+        supervisor.send(encode(Ready(role=role, index=index, pid=os.getpid(), device=actor.device)))
+        actor.run()
+    except BaseException as err:
+        if not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            message = "".join(traceback.format_exception_only(type(err), err)).strip()
+            logging.getLogger(role).error("%s", traceback.format_exc())
+            supervisor.send(encode(Fatal(role=role, index=index, pid=os.getpid(), message=message)))
+            supervisor.close(linger=1000)  # NOTE: give the Fatal report time to leave
+            raise SystemExit(1) from None
+        raise
+    finally:
+        if actor is not None:
+            actor.close()
+        ctx.destroy(linger=0)

@@ -1,0 +1,193 @@
+"""Every internal IPC message between the supervisor, frontend, inference and compositing processes.
+
+One typed struct per message, tagged so that one decoder reads any of them. A message goes as a
+ZeroMQ multipart `[msgpack(struct), raw buffers...]`; tensors never ride along: they stay in a shm
+slot and the message carries its `TensorRef`. Only encoded images (the final output, which must be
+a ZeroMQ frame for the client anyway) travel as raw buffers.
+
+Data walks one way: frontend -> InferTask -> gpu_actor -> CompositeTask -> cpu_actor -> CompositeDone
+-> frontend. Control goes back: InferDone (the input slot is free) and ReleaseTask (the output slot
+may be reused), both tied to a request id.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from shm.ring import TensorRef
+
+
+class _Msg(msgspec.Struct, tag=True, kw_only=True, array_like=True):
+    pass
+
+
+class Chunk(msgspec.Struct, array_like=True):
+    """Frames [start, end) of a batch go to compositing process `compositor`."""
+
+    compositor: int
+    start: int
+    end: int
+
+
+# -- frontend -> inference worker ------------------------------------------------------------
+
+class InferTask(_Msg):
+    req: int
+    model: str
+    batch: int
+    audio: TensorRef                 # [batch, *A] float32
+    visual: Optional[TensorRef]      # [batch, 6, 320, 320] float32; None: build it from the avatar
+    frames: list[int]                # background index of each frame
+    plan: list[Chunk]                # empty: an `infer` request (mouths go back to the frontend)
+    format: str = "jpeg"
+    quality: int = 75
+    deadline: float = 0.0            # time.monotonic() (system-wide on Linux)
+    enqueued: float = 0.0
+
+
+class ReleaseTask(_Msg):
+    """The frontend is done with request `req`: free its output slot."""
+
+    req: int
+
+
+class LoadModel(_Msg):
+    req: int
+    model: str
+
+
+class UnloadModel(_Msg):
+    req: int
+    model: str
+
+
+class StatsQuery(_Msg):
+    req: int
+
+
+class ResetRequests(_Msg):
+    """The frontend restarted: every request it knew is gone; free their slots."""
+
+
+# -- inference worker -> compositing process -----------------------------------------------
+
+class CompositeTask(_Msg):
+    req: int
+    model: str
+    worker: int
+    mouths: TensorRef                # the whole batch [batch, 3, 320, 320]
+    start: int
+    end: int
+    frames: list[int]                # background indices of frames start..end-1
+    format: str
+    quality: int
+    deadline: float
+
+
+# -- workers -> frontend ---------------------------------------------------------------------
+
+class InferDone(_Msg):
+    req: int
+    worker: int
+    ok: bool
+    code: str = ""
+    message: str = ""
+    output: Optional[TensorRef] = None
+    queue_ms: float = 0.0
+    inference_ms: float = 0.0
+
+
+class CompositeDone(_Msg):
+    """Followed by end - start raw frames, one encoded image each."""
+
+    req: int
+    compositor: int
+    start: int
+    end: int
+    ok: bool
+    code: str = ""
+    message: str = ""
+    composite_ms: float = 0.0
+    width: int = 0
+    height: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+class LoadDone(_Msg):
+    req: int
+    worker: int
+    model: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+    load_ms: float = 0.0
+
+
+class ModelEvent(_Msg):
+    """A model was loaded, unloaded, evicted or failed to load on a worker (for routing/metrics)."""
+
+    worker: int
+    model: str
+    event: str                       # loaded | unloaded | evicted | failed
+    load_ms: float = 0.0
+    nbytes: int = 0
+
+
+class StatsReport(_Msg):
+    req: int
+    worker: int
+    device: str
+    models: dict[str, dict[str, float]]
+    loaded: list[str]
+    queue: int
+
+
+# -- supervisor <-> children -----------------------------------------------------------------
+
+class Ready(_Msg):
+    role: str
+    index: int
+    pid: int
+    device: str = ""
+
+
+class Fatal(_Msg):
+    role: str
+    index: int
+    pid: int
+    message: str
+
+
+class ProcessEvent(_Msg):
+    """Supervisor -> frontend: a child changed state (ready, died, restarting, failed)."""
+
+    role: str
+    index: int
+    pid: Optional[int]
+    state: str
+    restarts: int = 0
+    device: str = ""
+
+
+class Shutdown(_Msg):
+    pass
+
+
+Message = Union[
+    InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
+    CompositeDone, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: _Msg) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data) -> Message:
+    return _decoder.decode(data)

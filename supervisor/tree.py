@@ -1,0 +1,275 @@
+"""The process tree: create shared memory, spawn every child, watch them, restart the dead, shut down.
+
+The supervisor alone creates and unlinks shared memory (in `finally`, so also when start-up fails);
+segments of dead runs are swept at start. Death is detected twice: a child reports its exception
+(Fatal), and the supervisor polls every child's sentinel (SIGKILL, segfault). Either way the frontend
+is told at once, and it answers every request the dead process held with `unavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import zmq
+
+from config import Config
+from cpu_actor.worker import run_cpu_process
+from frontend.server import run_frontend_process
+from gpu_actor.worker import run_gpu_process
+from shm.endpoints import Endpoints, RunSpec, make_socket
+from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode
+from shm.ring import RingSpec, SlotRing
+from shm.segment import run_prefix, sweep_dead_runs
+from shm.store import BackgroundStore, store_spec
+
+log = logging.getLogger("supervisor")
+VISUAL_BYTES = 6 * 320 * 320 * 4
+MOUTH_BYTES = 3 * 320 * 320 * 4
+ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process}
+
+
+class StartError(RuntimeError):
+    """A child did not come up; the message names it and the cause."""
+
+
+@dataclass
+class Child:
+    role: str
+    index: int
+    process: Optional[mp.process.BaseProcess] = None
+    state: str = "starting"          # starting | ready | restarting | failed | stopped
+    restarts: int = 0
+    crash_times: list[float] = field(default_factory=list)
+    restart_at: float = 0.0
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.index}"
+
+
+def resolve_devices(config: Config) -> list[str]:
+    """One entry per inference worker: 'cpu' or 'cuda:N'."""
+    inf = config.inference
+    wanted = inf.devices
+    if wanted == "cpu":
+        gpus: list[int] = []
+    else:
+        import onnxruntime as ort
+        has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+        if wanted == "auto":
+            gpus = list(range(_cuda_device_count())) if has_cuda else []
+        else:
+            if not has_cuda:
+                raise StartError(f"inference.devices lists GPUs {list(wanted)} but onnxruntime has no CUDA provider "
+                                 "(install the gpu extra: LIPSYNC_EXTRAS=gpu), or set inference.devices: cpu")
+            gpus = list(wanted)
+    devices = [f"cuda:{g}" for g in gpus] or ["cpu"]
+    return [d for d in devices for _ in range(inf.workers_per_device)]
+
+
+def _cuda_device_count() -> int:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+class Supervisor:
+    def __init__(self, config: Config):
+        self.config = config
+        self._stop = False
+        self._created: list = []
+        self.run_dir = tempfile.mkdtemp(prefix="lsync-")
+        try:
+            self._create_shared_memory()
+        except BaseException:
+            self._cleanup()
+            raise
+        self.ctx = zmq.Context()
+        self.inbox = make_socket(self.ctx, zmq.PULL, bind=self.run.endpoints.supervisor)
+        self.to_frontend = make_socket(self.ctx, zmq.PUSH, connect=self.run.endpoints.frontend)
+        self.to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.gpu]
+        self.children = ([Child("gpu", i) for i in range(len(self.run.devices))]
+                         + [Child("cpu", i) for i in range(len(self.run.endpoints.cpu))] + [Child("frontend", 0)])
+        self._mp = mp.get_context("spawn")
+
+    # -- shared memory --------------------------------------------------------------------------
+
+    def _create_shared_memory(self) -> None:
+        cfg = self.config
+        swept = sweep_dead_runs(cfg.shm.prefix)
+        if swept:
+            log.warning("removed %d shared-memory segments of dead runs: %s", len(swept), ", ".join(swept[:5]))
+        devices = resolve_devices(cfg)
+        prefix = run_prefix(cfg.shm.prefix)
+        lim = cfg.limits
+        in_bytes = lim.max_batch * VISUAL_BYTES + 64 + lim.max_batch * lim.max_audio_elements * 4
+        out_bytes = lim.max_batch * MOUTH_BYTES
+        inputs = tuple(RingSpec.for_bytes(f"{prefix}-in{i}", cfg.shm.slots, in_bytes) for i in range(len(devices)))
+        outputs = tuple(RingSpec.for_bytes(f"{prefix}-out{i}", cfg.shm.slots, out_bytes) for i in range(len(devices)))
+        for spec in inputs + outputs:
+            self._created.append(SlotRing.create(spec))
+        comp = cfg.compositing
+        store = store_spec(prefix, self.run_dir, comp.cache_bytes, comp.max_frame_width, comp.max_frame_height,
+                           comp.eviction)
+        self._created.append(BackgroundStore.create(store))
+        n_cpu = comp.resolved_workers()
+        self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu),
+                           inputs, outputs, store, tuple(devices))
+
+    def _cleanup(self) -> None:
+        for obj in self._created:
+            try:
+                obj.close(unlink=True)
+            except Exception:
+                log.exception("could not remove a shared-memory segment")
+        self._created.clear()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # -- children -------------------------------------------------------------------------------
+
+    def _spawn(self, child: Child) -> None:
+        child.process = self._mp.Process(target=ENTRIES[child.role], args=(self.config, self.run, child.index),
+                                         name=f"lsync-{child.name}", daemon=False)
+        child.process.start()
+        child.state = "starting"
+        self._event(child)
+
+    def _event(self, child: Child) -> None:
+        if child.role == "frontend":
+            return
+        pid = child.process.pid if child.process is not None else None
+        device = self.run.devices[child.index] if child.role == "gpu" else "cpu"
+        self.to_frontend.send(encode(ProcessEvent(role=child.role, index=child.index, pid=pid, state=child.state,
+                                                  restarts=child.restarts, device=device)))
+
+    def start(self) -> None:
+        """Spawn everything and wait for every READY; StartError names who failed and why."""
+        for child in self.children:
+            self._spawn(child)
+        deadline = time.monotonic() + self.config.supervisor.start_timeout_s
+        while any(c.state != "ready" for c in self.children):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = ", ".join(c.name for c in self.children if c.state != "ready")
+                raise StartError(f"{late} did not report READY within supervisor.start_timeout_s "
+                                 f"({self.config.supervisor.start_timeout_s:g}s); raise it if model loading is slow")
+            self._poll(min(remaining, 0.5), starting=True)
+        for child in self.children:
+            self._event(child)  # the frontend came up last: tell it who is ready
+
+    def _poll(self, timeout_s: float, starting: bool = False) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        for child in self.children:
+            if child.process is not None and child.state in ("starting", "ready"):
+                poller.register(child.process.sentinel, zmq.POLLIN)
+        poller.poll(int(timeout_s * 1000))
+        while self.inbox.poll(0):
+            self._on_message(decode(self.inbox.recv()), starting)
+        for child in self.children:
+            if child.process is not None and child.state in ("starting", "ready") and not child.process.is_alive():
+                self._on_death(child, starting)
+
+    def _find(self, role: str, index: int) -> Child:
+        return next(c for c in self.children if c.role == role and c.index == index)
+
+    def _on_message(self, msg, starting: bool) -> None:
+        if isinstance(msg, Ready):
+            child = self._find(msg.role, msg.index)
+            if child.process is None or child.process.pid != msg.pid:
+                return
+            child.state = "ready"
+            log.info("%s ready (pid %d)", child.name, msg.pid)
+            if child.role == "frontend" and child.restarts:
+                for sock in self.to_gpu:
+                    sock.send(encode(ResetRequests()))
+                for other in self.children:
+                    self._event(other)
+            self._event(child)
+        elif isinstance(msg, Fatal):
+            child = self._find(msg.role, msg.index)
+            child.last_error = msg.message
+
+    def _on_death(self, child: Child, starting: bool) -> None:
+        child.process.join(1)
+        code = child.process.exitcode
+        why = child.last_error or (f"killed by signal {-code}" if code and code < 0 else f"exit code {code}")
+        if starting:
+            raise StartError(f"{child.name} died during start-up: {why}")
+        log.error("%s (pid %d) died: %s", child.name, child.process.pid, why)
+        now = time.monotonic()
+        window = self.config.supervisor.restart_window_s
+        child.crash_times = [t for t in child.crash_times if now - t < window] + [now]
+        child.last_error = ""
+        if len(child.crash_times) > self.config.supervisor.max_restarts:
+            child.state = "failed"
+            log.error("%s crashed %d times within %gs (supervisor.max_restarts): not restarting it",
+                      child.name, len(child.crash_times), window)
+        else:
+            child.state = "restarting"
+            backoff = self.config.supervisor.restart_backoff_s * 2 ** (len(child.crash_times) - 1)
+            child.restart_at = now + min(backoff, 30.0)
+        self._event(child)
+
+    def serve(self) -> int:
+        """Watch the children until SIGINT/SIGTERM; restart the dead ones."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self._stop:
+                self._poll(0.2)
+                now = time.monotonic()
+                for child in self.children:
+                    if child.state == "restarting" and now >= child.restart_at:
+                        child.restarts += 1
+                        log.info("restarting %s (restart %d)", child.name, child.restarts)
+                        self._spawn(child)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop = True  # NOTE: only a flag; the loop wakes within its 0.2 s poll
+
+    def shutdown(self) -> None:
+        """Stop accepting and drain (the frontend first), stop the children, unlink shared memory."""
+        grace = self.config.supervisor.shutdown_timeout_s
+        order = [[c for c in self.children if c.role == "frontend"], [c for c in self.children if c.role != "frontend"]]
+        for group in order:
+            live = [c for c in group if c.process is not None and c.process.is_alive()]
+            for child in live:
+                child.state = "stopped"
+                os.kill(child.process.pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace + 2
+            for child in live:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+                if child.process.is_alive():
+                    log.warning("%s did not stop in time; killing it", child.name)
+                    child.process.kill()
+                    child.process.join(5)
+        self.ctx.destroy(linger=0)
+        self._cleanup()
+
+    def summary(self) -> str:
+        cfg = self.config
+        workers = ", ".join(f"gpu{i}={d}" for i, d in enumerate(self.run.devices))
+        metrics = f"http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.port else "disabled"
+        from config.assets import list_model_ids
+        ids = list_model_ids(cfg)
+        shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
+        return (f"serving on {', '.join(cfg.frontend.bind)}\n"
+                f"  inference workers: {workers}\n"
+                f"  compositing processes: {len(self.run.endpoints.cpu)}\n"
+                f"  models: {shown or 'none'}\n"
+                f"  metrics: {metrics}")
