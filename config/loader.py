@@ -23,9 +23,32 @@ _PATH = re.compile(r" - at (?:`key` in )?`\$(?P<path>[^`]*)`$")
 def _key_path(raw: str) -> list[str | int]:
     """Turn msgspec's `$.a.b[0]` (minus the `$`) into ['a', 'b', 0]."""
     parts: list[str | int] = []
-    for name, quoted, index in re.findall(r"\.([^.\[]+)|\[\'([^']*)\'\]|\[(\d+)\]", raw):
-        parts.append(int(index) if index else (name or quoted))
+    for name, quoted, index, hidden in re.findall(r"\.([^.\[]+)|\[\'([^']*)\'\]|\[(\d+)\]|\[(\.\.\.)\]", raw):
+        parts.append(int(index) if index else (... if hidden else (name or quoted)))
     return parts
+
+
+def _resolve_hidden_keys(data: Any, parts: list) -> list[str | int]:
+    """msgspec writes a mapping's key as `[...]`: find the entry that fails validation."""
+    resolved: list[str | int] = []
+    t: Any = mi.type_info(Config)
+    for part in parts:
+        if part is ... and isinstance(data, dict) and isinstance(_schema_at(t, resolved), mi.DictType):
+            value_type = _schema_at(t, resolved).value_type
+            cls = getattr(value_type, "cls", None)
+            for key, value in data.items():
+                try:
+                    if cls is not None:
+                        msgspec.convert(value, cls, strict=True)
+                except msgspec.ValidationError:
+                    part = key
+                    break
+        resolved.append(part)
+        found, data = _lookup(data, [part])
+        if not found:
+            resolved.extend(parts[len(resolved):])
+            break
+    return resolved
 
 
 def _lookup(data: Any, parts: list[str | int]) -> tuple[bool, Any]:
@@ -87,7 +110,7 @@ def _format_error(source: str, data: Any, err: msgspec.ValidationError) -> str:
     text = str(err)
     match = _PATH.search(text)
     message = text[: match.start()] if match else text
-    parts = _key_path(match.group("path")) if match else []
+    parts = _resolve_hidden_keys(data, _key_path(match.group("path"))) if match else []
     where = ".".join(str(p) for p in parts)
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:

@@ -1,0 +1,168 @@
+"""Test helpers: small avatars on disk, a straightforward reference of the compositing math, and a real
+server (`python -m supervisor`) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import cv2
+import numpy as np
+import psutil
+import yaml
+
+from frontend.client import Client, ClientTimeout, ServerError
+from gpu_actor.model_builder import write_model
+from shm import list_segments
+from tests.conftest import TEST_PREFIX
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_avatar(models_dir: Path, model_id: str, n_frames: int = 6, size=(320, 240), rects=None,
+                kind: str = "tiny", audio: str = "ave", seed: int = 0, batch: Optional[int] = None,
+                rect_form: str = "dict") -> Path:
+    """A model directory: tiny (or unet328) model, PNG frames with texture, crop rects."""
+    d = models_dir / model_id
+    (d / "frames").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    w, h = size
+    for k in range(n_frames):
+        y, x = np.mgrid[0:h, 0:w]
+        img = np.stack([(x * 3 + k * 7) % 256, (y * 2 + k * 5) % 256, (x + y + k) % 256], -1).astype(np.uint8)
+        img = cv2.add(img, rng.integers(0, 30, img.shape, dtype=np.uint8))
+        cv2.imwrite(str(d / "frames" / f"{k}.png"), img)
+    if rects is None:
+        rects = [[w // 4 + k, h // 4, w // 4 + k + w // 3, h // 4 + h // 3] for k in range(n_frames)]
+    data = {str(i): {"rect": r} for i, r in enumerate(rects)} if rect_form == "dict" else rects
+    (d / "crop_rects.json").write_text(json.dumps(data))
+    write_model(d / "model.onnx", kind=kind, audio=audio, seed=seed, batch=batch)
+    return d
+
+
+def reference_composite(background: np.ndarray, rect, mouth: np.ndarray) -> np.ndarray:
+    """The three steps exactly as written in the compositing issue, with nothing shared with the server."""
+    h_img, w_img = background.shape[:2]
+    x1, y1, x2, y2 = max(rect[0], 0), max(rect[1], 0), min(rect[2], w_img), min(rect[3], h_img)
+    c = cv2.resize(background[y1:y2, x1:x2], (328, 328), interpolation=cv2.INTER_CUBIC)
+    q = c.copy()
+    q[4:324, 4:324] = np.clip(np.floor(255 * mouth.transpose(1, 2, 0)), 0, 255).astype(np.uint8)
+    out = background.copy()
+    out[y1:y2, x1:x2] = cv2.resize(q, (x2 - x1, y2 - y1), interpolation=cv2.INTER_CUBIC)
+    return out
+
+
+def reference_visual(background: np.ndarray, rect) -> np.ndarray:
+    h_img, w_img = background.shape[:2]
+    x1, y1, x2, y2 = max(rect[0], 0), max(rect[1], 0), min(rect[2], w_img), min(rect[3], h_img)
+    c = cv2.resize(background[y1:y2, x1:x2], (328, 328), interpolation=cv2.INTER_CUBIC)
+    r = c[4:324, 4:324].copy()
+    m = r.copy()
+    m[5:310, 5:315] = 0
+    return np.concatenate([r.transpose(2, 0, 1), m.transpose(2, 0, 1)]).astype(np.float32) / 255
+
+
+def mirror_index(k: int, n: int) -> int:
+    seq = list(range(n)) + list(range(n - 1, -1, -1))
+    return seq[k % (2 * n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_config(models_dir: Path, **overrides) -> dict:
+    cfg = {
+        "frontend": {"bind": [f"tcp://127.0.0.1:{free_port()}"]},
+        "metrics": {"port": 0},
+        "models_dir": str(models_dir),
+        "limits": {"max_batch": 8, "queue_depth": 8, "request_timeout_s": 60},
+        "inference": {"devices": "cpu", "intra_op_threads": 1},
+        "compositing": {"workers": 2, "cache_bytes": 64 * 1024 * 1024, "max_frame_width": 640,
+                        "max_frame_height": 480},
+        "shm": {"slots": 2, "prefix": TEST_PREFIX},
+        "supervisor": {"start_timeout_s": 60, "shutdown_timeout_s": 5, "restart_backoff_s": 0.2},
+    }
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if name:
+            cfg.setdefault(section, {})[name] = value
+        else:
+            cfg[section] = value
+    return cfg
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path):
+        self.proc, self.endpoint, self.log = proc, endpoint, log
+
+    def client(self, **kw) -> Client:
+        return Client(self.endpoint, **kw)
+
+    def health(self) -> dict:
+        with self.client(timeout_s=5) as c:
+            return c.health()
+
+    def pids(self, role: str) -> list[int]:
+        return [p["pid"] for p in self.health()["processes"] if p["role"] == role]
+
+    def wait_ready(self, timeout_s: float = 60) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                last = self.health()
+                if last["status"] == "ready":
+                    return last
+            except (ClientTimeout, ServerError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready in {timeout_s}s: {last}\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        """SIGTERM, wait, and assert that nothing of the run is left behind."""
+        children = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)] \
+            if self.proc.poll() is None else []
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        time.sleep(0.2)
+        alive = [pid for pid in children if psutil.pid_exists(pid) and
+                 psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"processes left behind: {alive}"
+        assert not [s for s in list_segments(TEST_PREFIX) if f"-{self.proc.pid}-" in s], "shm left behind"
+        return code
+
+
+@contextmanager
+def run_server(tmp_path: Path, config: dict):
+    cfg_path = tmp_path / f"server-{time.monotonic_ns()}.yaml"
+    cfg_path.write_text(yaml.safe_dump(config))
+    log = cfg_path.with_suffix(".log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--config", str(cfg_path)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(proc, config["frontend"]["bind"][0], log)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        if proc.poll() is None:
+            code = server.stop()
+            assert code == 0, f"server exited with {code} on SIGTERM:\n{log.read_text()[-3000:]}"

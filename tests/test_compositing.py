@@ -1,0 +1,188 @@
+"""cpu_actor: SyncTalk_2D-exact pixels, the audio-only visual recipe, frame order, refused assets,
+encoders, and the background store shared by processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import cv2
+import numpy as np
+import pytest
+import simplejpeg
+
+from config.assets import AssetError, ModelPaths, frame_index, load_assets
+from cpu_actor.composite import encode, mouth_to_uint8, paste
+from gpu_actor.visual import build_visual
+from shm.store import BackgroundStore, store_spec
+from tests.conftest import TEST_PREFIX
+from tests.helpers import make_avatar, mirror_index, reference_composite, reference_visual
+
+W, H = 320, 240
+RECTS = {
+    "inside": [60, 40, 200, 190],
+    "on the edge": [0, 0, 150, 130],
+    "across the left/top edge": [-30, -20, 120, 110],
+    "across the right/bottom edge": [250, 150, 400, 300],
+    "thin": [100, 100, 107, 220],
+}
+
+
+@pytest.fixture(scope="module")
+def avatar(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_avatar(root, "a", n_frames=len(RECTS), size=(W, H), rects=list(RECTS.values()))
+    return load_assets(ModelPaths("a", root / "a" / "model.onnx", root / "a" / "frames", root / "a" / "crop_rects.json"))
+
+
+@pytest.mark.parametrize("index, where", list(enumerate(RECTS)))
+def test_composite_matches_the_three_steps_exactly(avatar, index, where):
+    rng = np.random.default_rng(index)
+    mouth = rng.random((3, 320, 320), dtype=np.float32)
+    mouth[0, :8, :8] = [0.0, 1.0, 0.999999, 0.5, -0.2, 1.3, 0.00392, 0.00393]  # edges of the truncation
+    background, crop = avatar.decode(index)
+    out = paste(background.copy(), crop.copy(), mouth_to_uint8(mouth), avatar.rects[index])
+    expected = reference_composite(cv2.imread(str(avatar.frame_files[index])), RECTS[where], mouth)
+    np.testing.assert_array_equal(out, expected)
+    assert out.shape == (H, W, 3)
+
+
+def test_audio_only_visual_input_matches_the_recipe(avatar):
+    crops = [avatar.decode(i)[1] for i in range(len(RECTS))]
+    out = np.empty((len(crops), 6, 320, 320), np.float32)
+    build_visual(crops, out)
+    for i, rect in enumerate(RECTS.values()):
+        np.testing.assert_array_equal(out[i], reference_visual(cv2.imread(str(avatar.frame_files[i])), rect))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_frame_order_mirror_and_loop(n):
+    for k in range(4 * n + 3):
+        assert frame_index(k, n, "mirror") == mirror_index(k, n)
+        assert frame_index(k, n, "loop") == k % n
+    assert [frame_index(k, 3) for k in range(8)] == [0, 1, 2, 2, 1, 0, 0, 1]
+
+
+def test_encoders(avatar):
+    image, _ = avatar.decode(0)
+    png = encode(image, "png", 75)
+    np.testing.assert_array_equal(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR), image)
+    raw = encode(image, "raw", 75)
+    np.testing.assert_array_equal(np.frombuffer(raw, np.uint8).reshape(H, W, 3), image)
+    jpeg = encode(image, "jpeg", 90)
+    decoded = simplejpeg.decode_jpeg(jpeg, colorspace="BGR")
+    assert decoded.shape == image.shape and np.abs(decoded.astype(int) - image).mean() < 8
+    assert len(encode(image, "jpeg", 10)) < len(jpeg)
+
+
+# -- refused assets ---------------------------------------------------------------------------------
+
+def _paths(d):
+    return ModelPaths("x", d / "model.onnx", d / "frames", d / "crop_rects.json")
+
+
+@pytest.mark.parametrize("rects, message", [
+    ([[10, 10, 50, 50]] * 2, r"crop_rects.json: 2 rects for 3 frames .* index 2"),
+    ([[10, 10, 50, 50], [40, 40, 40, 80], [10, 10, 50, 50]], r"crop_rects.json: index 1: empty box"),
+    ([[10, 10, 50, 50], [10, 10, 50, 50], [400, 10, 500, 50]], r"crop_rects.json: index 2: box .* wholly outside"),
+    ([[10, 10, 50, 50], [10, 10, 50], [10, 10, 50, 50]], r"crop_rects.json: index 1: expected a rect"),
+])
+def test_bad_rects_are_refused_naming_file_and_index(tmp_path, rects, message):
+    d = make_avatar(tmp_path, "x", n_frames=3, rects=rects, rect_form="list")
+    with pytest.raises(AssetError, match=message):
+        load_assets(_paths(d))
+
+
+def test_missing_frames_and_bad_files_are_refused(tmp_path):
+    d = make_avatar(tmp_path, "x", n_frames=2)
+    (d / "crop_rects.json").write_text("{not json")
+    with pytest.raises(AssetError, match="crop_rects.json: not readable JSON"):
+        load_assets(_paths(d))
+    (d / "crop_rects.json").unlink()
+    with pytest.raises(AssetError, match="crop rects file is missing"):
+        load_assets(_paths(d))
+    for f in (d / "frames").iterdir():
+        f.unlink()
+    with pytest.raises(AssetError, match=r"frames: no \*.png or \*.jpg"):
+        load_assets(_paths(d))
+    (d / "frames").rmdir()
+    with pytest.raises(AssetError, match="frames directory is missing"):
+        load_assets(_paths(d))
+
+
+def test_frames_in_natural_name_order(tmp_path):
+    d = make_avatar(tmp_path, "x", n_frames=12, rect_form="list")
+    names = [p.name for p in load_assets(_paths(d)).frame_files]
+    assert names == [f"{k}.png" for k in range(12)]
+
+
+# -- the shared store -------------------------------------------------------------------------------
+
+def _store(tmp_path, cache_bytes=16 * 1024 * 1024, eviction="lru"):
+    spec = store_spec(f"{TEST_PREFIX}-{os.getpid()}-0-{os.urandom(3).hex()}", str(tmp_path), cache_bytes,
+                      W, H, eviction)
+    return BackgroundStore.create(spec)
+
+
+def _fetch_in_process(spec, assets, frame, barrier, out_q):
+    store = BackgroundStore.attach(spec)
+    barrier.wait()
+    background, crop, hit = store.fetch("a", frame, lambda: (__import__("time").sleep(0.3), assets.decode(frame))[1])
+    out_q.put((background.tobytes(), crop.tobytes(), hit, os.getpid()))
+    store.close()
+
+
+def test_two_processes_share_one_decode(tmp_path, avatar):
+    store = _store(tmp_path)
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_fetch_in_process, args=(store.spec, avatar, 1, barrier, results)) for _ in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(30)
+        assert store.decodes == 1, "two concurrent misses on one frame must decode it once"
+        assert sorted(g[2] for g in got) == [False, True]  # one decoded, the other read it from the store
+        assert got[0][:2] == got[1][:2]
+        background, crop = avatar.decode(1)
+        assert got[0][0] == background.tobytes() and got[0][1] == crop.tobytes()
+        # And this process reads the same bytes without decoding.
+        _, crop3, hit = store.fetch("a", 1, lambda: pytest.fail("decoded again"))
+        assert hit and crop3.tobytes() == crop.tobytes()
+    finally:
+        store.close(unlink=True)
+
+
+def test_store_stays_under_cache_bytes_with_many_models(tmp_path, avatar):
+    store = _store(tmp_path, cache_bytes=16 * 1024 * 1024)
+    try:
+        frame = avatar.decode(0)
+        for m in range(25):
+            for k in range(5):
+                store.fetch(f"model{m}", k, lambda: frame)
+                assert store.entries_used() <= store.spec.n_entries
+                assert store.bytes_used() <= 16 * 1024 * 1024
+        assert store.decodes == 125
+        assert store.spec.n_entries * store.spec.entry_bytes <= 16 * 1024 * 1024
+        _, _, hit = store.fetch("model24", 4, lambda: frame)
+        assert hit  # the most recent entry survived
+        _, _, hit = store.fetch("model0", 0, lambda: frame)
+        assert not hit  # the oldest was evicted
+    finally:
+        store.close(unlink=True)
+
+
+def test_store_refuses_frames_larger_than_its_entries(tmp_path):
+    store = _store(tmp_path)
+    try:
+        big = np.zeros((H + 1, W, 3), np.uint8)
+        with pytest.raises(Exception, match="max_frame_width"):
+            store.fetch("a", 0, lambda: (big, np.zeros((328, 328, 3), np.uint8)))
+        # The failed claim does not poison the entry.
+        _, _, hit = store.fetch("a", 0, lambda: (np.zeros((H, W, 3), np.uint8), np.zeros((328, 328, 3), np.uint8)))
+        assert not hit
+    finally:
+        store.close(unlink=True)

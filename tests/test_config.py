@@ -1,0 +1,88 @@
+"""Config: defaults, refusals that name the file and the key path, --check-config."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import msgspec
+import pytest
+import yaml
+
+from config import ConfigError, load_config
+from config.schema import Config
+from tests.helpers import ROOT
+
+
+def test_no_file_and_empty_file_are_the_defaults(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    for cfg in (load_config(None), load_config(empty)):
+        assert cfg.frontend.bind == ("tcp://127.0.0.1:5555",)
+        assert cfg.limits.max_batch == 32
+        assert cfg.compositing.resolved_workers() >= 1
+
+
+def test_default_yaml_is_exactly_the_schema_defaults_and_documents_every_key():
+    path = ROOT / "config" / "default.yaml"
+    from_file = msgspec.to_builtins(load_config(path))
+    defaults = msgspec.to_builtins(Config())
+    from_file.pop("base_dir"), defaults.pop("base_dir")
+    assert from_file == defaults
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*[a-z_]+:\s*\S", line):  # a leaf key (sections only hold keys)
+            above = lines[i - 1].strip() if i else ""
+            key = line.split(":")[0].strip()
+            # A key is documented by a comment right above it, or shares one with its sibling above.
+            assert above.startswith("#") or re.match(r"^[a-z_]+:\s*\S", above), \
+                f"config/default.yaml: key {key!r} (line {i + 1}) has no comment"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("inference:\n  workers_per_device: two\n",
+     "inference.workers_per_device: expected an integer >= 1, got 'two'"),
+    ("inference:\n  eviction: lfx\n", "inference.eviction: expected one of 'lfu', 'lru', got 'lfx'"),
+    ("limits:\n  max_batch: 0\n", "limits.max_batch: expected an integer >= 1 and <= 256, got 0"),
+    ("limits:\n  max_bach: 4\n", "limits.max_bach: unknown key"),
+    ("frontend:\n  bind: [5555]\n", "frontend.bind.0: expected a string matching"),
+    ("inference:\n  devices: [0, gpu]\n", "inference.devices.1: expected an integer >= 0, got 'gpu'"),
+    ("models:\n  ../x: {onnx: a, frames: b, crop_rects: c}\n", "models: key '../x' is not valid"),
+    ("models:\n  alice: {onnx: a}\n", "models.alice.frames: required key is missing"),
+    ("output:\n  quality: 101\n", "output.quality: expected an integer >= 1 and <= 100, got 101"),
+    ("- just\n- a list\n", "expected a mapping at the top level"),
+    ("inference: {devices: [0\n", "not valid YAML"),
+])
+def test_bad_config_is_refused_with_file_and_key_path(tmp_path, text, message):
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: ")
+    assert message in str(err.value)
+
+
+def test_relative_paths_resolve_against_the_config_file(tmp_path):
+    path = tmp_path / "sub" / "c.yaml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump({"models_dir": "models"}))
+    from config import resolve_path
+    cfg = load_config(path)
+    assert resolve_path(cfg, cfg.models_dir) == tmp_path / "sub" / "models"
+
+
+def test_check_config_cli(tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("limits: {max_batch: 8}\n")
+    bad.write_text("inference:\n  workers_per_device: two\n")
+    ok = subprocess.run([sys.executable, "-m", "supervisor", "--check-config", str(good)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "ok" in ok.stdout
+    no = subprocess.run([sys.executable, "-m", "supervisor", "--check-config", str(bad)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert no.returncode == 2
+    assert f"{bad}: inference.workers_per_device: expected an integer >= 1, got 'two'" in no.stderr
+    missing = subprocess.run([sys.executable, "-m", "supervisor", "--config", str(tmp_path / "nope.yaml")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "cannot read the config file" in missing.stderr

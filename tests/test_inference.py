@@ -1,0 +1,179 @@
+"""gpu_actor: the model builder, the runner against onnxruntime itself, and the multi-tenant registry."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from config.assets import AssetError, read_model_io
+from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
+from gpu_actor.registry import Registry
+from gpu_actor.runner import ModelRunner
+
+
+def _inputs(batch, audio_shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.random((batch, 6, 320, 320), dtype=np.float32),
+            rng.standard_normal((batch, *audio_shape)).astype(np.float32))
+
+
+def _direct(path, feeds):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def test_unet328_builder_has_the_real_networks_size_and_cost():
+    model = build_model("unet328", "ave", seed=1)
+    info = describe(model)
+    # 12.19 M with batch-norm parameters in the real network; folded into the convolutions here.
+    assert 12.0e6 < info["parameters"] < 12.3e6
+    assert 4.8 < info["gmac_per_frame"] < 5.0
+    assert model.opset_import[0].version == 11
+    visual, audio = model.graph.input
+    assert visual.type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert [d.dim_value for d in audio.type.tensor_type.shape.dim[1:]] == [32, 16, 16]
+
+
+@pytest.mark.parametrize("audio", sorted(AUDIO_SHAPES))
+def test_runner_matches_onnxruntime_for_every_audio_encoder(tmp_path, audio):
+    path = write_model(tmp_path / "m.onnx", kind="tiny", audio=audio, seed=3)
+    runner = ModelRunner(path)
+    assert runner.io.audio_shape == AUDIO_SHAPES[audio]
+    visual, feats = _inputs(3, AUDIO_SHAPES[audio])
+    out = np.empty((3, 3, 320, 320), np.float32)
+    runner.run(visual, feats, out)
+    np.testing.assert_array_equal(out, _direct(path, {"input": visual, "audio": feats}))
+
+
+def test_runner_matches_onnxruntime_on_the_unet328_shaped_model(tmp_path):
+    path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="hubert", seed=2)
+    runner = ModelRunner(path)
+    visual, feats = _inputs(2, (32, 32, 32))
+    out = np.empty((2, 3, 320, 320), np.float32)
+    runner.run(visual, feats, out)
+    np.testing.assert_allclose(out, _direct(path, {"input": visual, "audio": feats}), rtol=0, atol=1e-6)
+    assert 0 < out.min() and out.max() < 1
+
+
+def test_fixed_batch_model_is_split_and_padded_and_names_are_found_by_shape(tmp_path):
+    path = write_model(tmp_path / "fixed.onnx", kind="tiny", audio="wenet", batch=2, visual_name="image",
+                       audio_name="feats")
+    runner = ModelRunner(path)
+    assert (runner.io.visual, runner.io.audio, runner.io.batch) == ("image", "feats", 2)
+    visual, feats = _inputs(5, (256, 16, 32))
+    out = np.empty((5, 3, 320, 320), np.float32)
+    runner.run(visual, feats, out)
+    for i in range(5):
+        pair = {"image": np.repeat(visual[i:i + 1], 2, 0), "feats": np.repeat(feats[i:i + 1], 2, 0)}
+        np.testing.assert_array_equal(out[i], _direct(path, pair)[0])
+
+
+def test_broken_models_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(AssetError, match="missing"):
+        ModelRunner(tmp_path / "nope.onnx")
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"this is not a model")
+    with pytest.raises(AssetError, match="garbage.onnx"):
+        ModelRunner(garbage)
+    with pytest.raises(AssetError, match="garbage.onnx"):
+        read_model_io(garbage)
+    wrong = tmp_path / "wrong.onnx"
+    model = build_model("tiny")
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 3  # visual with 3 channels
+    onnx.save(model, str(wrong))
+    with pytest.raises(AssetError, match=r"\[B,6,320,320\]"):
+        read_model_io(wrong)
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ten_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    paths = {f"m{i}": write_model(root / f"m{i}.onnx", kind="tiny", seed=i) for i in range(10)}
+    broken = root / "broken.onnx"
+    broken.write_bytes(b"\x00" * 100)
+    paths["broken"] = broken
+    return paths
+
+
+def _registry(paths, eviction="lru", max_models=3, max_bytes=0, events=None):
+    events = events if events is not None else []
+    return Registry("cpu", max_models, max_bytes, eviction, 0, 1, False, paths.get,
+                    lambda m, e, ms, b: events.append((m, e)), lambda: None)
+
+
+def _load(reg: Registry, model: str):
+    assert reg.start_load(model)
+    deadline = time.monotonic() + 60
+    while model in reg.loading and time.monotonic() < deadline:
+        reg.loading[model].result(60)
+        reg.poll_loads()
+    return reg.stats[model]
+
+
+def test_lru_eviction_keeps_at_most_the_cap(ten_models):
+    events = []
+    reg = _registry(ten_models, "lru", events=events)
+    for i in range(10):
+        _load(reg, f"m{i}")
+        reg.touch(f"m{i}", 1)
+        if i >= 2:
+            reg.touch("m0", 1)  # m0 stays the most recently used of the old ones
+        assert len(reg.loaded) <= 3
+    assert set(reg.loaded) == {"m0", "m8", "m9"}
+    evicted = [m for m, e in events if e == "evicted"]
+    assert evicted == [f"m{i}" for i in range(1, 8)]
+    reg.close()
+
+
+def test_lfu_evicts_the_least_used(ten_models):
+    reg = _registry(ten_models, "lfu")
+    for name, uses in (("m0", 5), ("m1", 1), ("m2", 3)):
+        _load(reg, name)
+        for _ in range(uses):
+            reg.touch(name, 1)
+    _load(reg, "m3")
+    assert set(reg.loaded) == {"m0", "m2", "m3"}  # m1 had the fewest uses
+    reg.close()
+
+
+def test_busy_model_is_never_evicted(ten_models):
+    reg = _registry(ten_models, "lru")
+    for name in ("m0", "m1", "m2"):
+        _load(reg, name)
+    reg.busy["m0"] += 1   # work queued for the least recently used model
+    _load(reg, "m3")
+    assert "m0" in reg.loaded and "m1" not in reg.loaded
+    assert not reg.unload("m0")  # an explicit unload of a busy model is refused too
+    reg.busy["m0"] -= 1
+    assert reg.unload("m0") and "m0" not in reg.loaded
+    reg.close()
+
+
+def test_byte_cap_bounds_memory(ten_models):
+    reg = _registry(ten_models, "lru", max_models=10, max_bytes=1)
+    for i in range(4):
+        _load(reg, f"m{i}")
+        assert len(reg.loaded) == 1  # every model costs more than one byte: one at a time
+        assert reg.stats[f"m{i}"].loads == 1
+    reg.close()
+
+
+def test_broken_model_fails_alone(ten_models):
+    reg = _registry(ten_models, "lru")
+    _load(reg, "m0")
+    assert reg.start_load("broken")
+    reg.loading["broken"].result(60)
+    results = reg.poll_loads()
+    assert results[0].error and "broken.onnx" in results[0].error and results[0].code == "bad_request"
+    assert "broken" not in reg.loaded and "m0" in reg.loaded
+    assert not reg.start_load("no-such-model")
+    visual, feats = _inputs(1, (32, 16, 16))
+    out = np.empty((1, 3, 320, 320), np.float32)
+    reg.loaded["m0"].runner.run(visual, feats, out)  # still serving
+    reg.close()
