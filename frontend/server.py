@@ -37,6 +37,7 @@ from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
+STATE_SYNC_TIMEOUT_S = 5.0
 AUDIO_ALIGN = 64
 
 
@@ -152,8 +153,14 @@ class Frontend:
             ring.close()
 
     async def _main(self) -> None:
+        internal = asyncio.create_task(self._read_internal())
+        # NOTE: serve clients only once the supervisor has told us every worker's state (it does right
+        # after our READY); else a restarted frontend would answer `unavailable` for a moment.
+        deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S
+        while not self._synced() and time.monotonic() < deadline and not self._stopping:
+            await asyncio.sleep(0.01)
         readers = [asyncio.create_task(self._read_clients(s)) for s in self.clients]
-        readers.append(asyncio.create_task(self._read_internal()))
+        readers.append(internal)
         while not self._stopping:
             await asyncio.sleep(0.1)  # the SIGTERM flag; every real wait is a socket read
         # Stop accepting, then let in-flight requests finish up to the shutdown deadline.
@@ -217,6 +224,9 @@ class Frontend:
                 worker.sock.send(encode(ReleaseTask(req=p.req)))
             self._gauges(worker)
             self._pump(worker)
+
+    def _synced(self) -> bool:
+        return all(proc.pid is not None for proc in [*self.workers, *self.compositors])
 
     def _gauges(self, worker: Worker) -> None:
         label = str(worker.index)

@@ -141,12 +141,16 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
+        self.assert_clean(children)
+        return code
+
+    def assert_clean(self, children=()) -> None:
         time.sleep(0.2)
         alive = [pid for pid in children if psutil.pid_exists(pid) and
                  psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"processes left behind: {alive}"
-        assert not [s for s in list_segments(TEST_PREFIX) if f"-{self.proc.pid}-" in s], "shm left behind"
-        return code
+        left = [s for s in list_segments(TEST_PREFIX) if f"-{self.proc.pid}-" in s]
+        assert not left, f"/dev/shm entries left behind: {left}"
 
 
 @contextmanager
@@ -166,3 +170,5 @@ def run_server(tmp_path: Path, config: dict):
         if proc.poll() is None:
             code = server.stop()
             assert code == 0, f"server exited with {code} on SIGTERM:\n{log.read_text()[-3000:]}"
+        else:
+            server.assert_clean()

@@ -1,0 +1,225 @@
+"""End to end over real sockets and processes: `python -m supervisor` serving REQ and DEALER clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import cv2
+import numpy as np
+import onnxruntime as ort
+import pytest
+import simplejpeg
+import zmq
+
+from frontend.client import AsyncClient, Client, ServerError
+from tests.helpers import base_config, make_avatar, mirror_index, reference_composite, reference_visual, run_server
+
+N_FRAMES, SIZE = 5, (320, 240)
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_avatar(root, "a", n_frames=N_FRAMES, size=SIZE, rects=[[60, 40, 200, 190], [0, 0, 150, 130],
+                                                                [-30, -20, 120, 110], [250, 150, 400, 300],
+                                                                [100, 60, 220, 200]])
+    make_avatar(root, "h", n_frames=3, size=SIZE, audio="hubert", batch=2, seed=4)
+    (root / "broken").mkdir()
+    (root / "broken" / "model.onnx").write_bytes(b"not onnx")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    cfg = base_config(models, **{"limits.max_batch": MAX_BATCH, "limits.queue_depth": 32})
+    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
+        yield srv
+
+
+def _expected_frames(models, model, audio, start, batch, visual=None):
+    """What the server must return: the tiny model run by onnxruntime, composited by the reference."""
+    d = models / model
+    rects = json.loads((d / "crop_rects.json").read_text())
+    n = len(rects)
+    frames = [mirror_index(start + i, n) for i in range(batch)]
+    backgrounds = [cv2.imread(str(d / "frames" / f"{k}.png")) for k in frames]
+    if visual is None:
+        visual = np.stack([reference_visual(bg, rects[str(k)]["rect"]) for bg, k in zip(backgrounds, frames)])
+    session = ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"])
+    audio = np.broadcast_to(audio, (batch, *audio.shape[-3:])) if audio.ndim == 3 else audio
+    mouths = np.concatenate([session.run(None, {"input": visual[i:i + 1], "audio": audio[i:i + 1]})[0]
+                             for i in range(batch)])
+    return frames, [reference_composite(bg, rects[str(k)]["rect"], m) for bg, k, m in zip(backgrounds, frames, mouths)]
+
+
+def _decode(image: bytes, fmt: str, header: dict) -> np.ndarray:
+    if fmt == "raw":
+        return np.frombuffer(image, np.uint8).reshape(header["height"], header["width"], 3)
+    if fmt == "png":
+        return cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
+    return simplejpeg.decode_jpeg(image, colorspace="BGR")
+
+
+def test_health_and_models(server):
+    health = server.health()
+    assert health["status"] == "ready"
+    roles = sorted((p["role"], p["index"]) for p in health["processes"])
+    assert roles == [("cpu", 0), ("cpu", 1), ("frontend", 0), ("gpu", 0)]
+    with server.client() as c:
+        models = {m["id"]: m for m in c.models()}
+    assert models["a"]["audio_shape"] == [32, 16, 16] and models["a"]["frames"] == N_FRAMES
+    assert (models["a"]["width"], models["a"]["height"]) == SIZE
+    assert models["h"]["audio_shape"] == [32, 32, 32]
+    assert "broken" in models and "not a readable ONNX model" in models["broken"]["error"]
+
+
+@pytest.mark.parametrize("fmt", ["raw", "png", "jpeg"])
+def test_audio_only_composite_matches_reference(server, models, fmt):
+    audio = np.random.default_rng(1).standard_normal((4, 32, 16, 16)).astype(np.float32)
+    with server.client() as c:
+        header, images = c.composite("a", audio, start_frame=3, format=fmt)
+    frames, expected = _expected_frames(models, "a", audio, 3, 4)
+    assert header["frames"] == frames == [3, 4, 4, 3]
+    assert (header["width"], header["height"], header["batch"], header["format"]) == (*SIZE, 4, fmt)
+    assert set(header["timing"]) == {"queue_ms", "inference_ms", "composite_ms", "total_ms"}
+    assert len(images) == 4
+    for image, want in zip(images, expected):
+        got = _decode(image, fmt, header)
+        assert got.shape == (SIZE[1], SIZE[0], 3)
+        if fmt == "jpeg":  # libjpeg-turbo is deterministic: the reference, encoded alike, is the same file
+            assert image == simplejpeg.encode_jpeg(want, 75, colorspace="BGR", colorsubsampling="420")
+        else:
+            np.testing.assert_array_equal(got, want)
+
+
+def test_visual_and_audio_composite_with_one_audio_window(server, models):
+    rng = np.random.default_rng(2)
+    visual = rng.random((3, 6, 320, 320), dtype=np.float32)
+    window = rng.standard_normal((32, 16, 16)).astype(np.float32)
+    with server.client() as c:
+        header, images = c.composite("a", window, visual=visual, format="raw")
+    _, expected = _expected_frames(models, "a", window, 0, 3, visual=visual)
+    for image, want in zip(images, expected):
+        np.testing.assert_array_equal(_decode(image, "raw", header), want)
+
+
+def test_infer_returns_the_models_mouths(server, models):
+    rng = np.random.default_rng(3)
+    visual = rng.random((3, 6, 320, 320), dtype=np.float32)
+    audio = rng.standard_normal((3, 32, 32, 32)).astype(np.float32)
+    with server.client() as c:
+        header, mouths = c.infer("h", visual, audio)
+    session = ort.InferenceSession(str(models / "h" / "model.onnx"), providers=["CPUExecutionProvider"])
+    for i in range(3):  # model "h" has a fixed batch of 2
+        pair = {"input": np.repeat(visual[i:i + 1], 2, 0), "audio": np.repeat(audio[i:i + 1], 2, 0)}
+        np.testing.assert_array_equal(mouths[i], session.run(None, pair)[0][0])
+    assert header["shape"] == [3, 320, 320] and header["worker"] == {"device": "cpu", "index": 0}
+
+
+def test_req_socket_client(server):
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        audio = np.zeros((2, 32, 16, 16), np.float32)
+        sock.send_multipart([json.dumps({"op": "composite", "id": "r1", "model": "a", "batch": 2,
+                                         "format": "png"}).encode(), audio.tobytes()])
+        assert sock.poll(60_000)
+        header, *images = sock.recv_multipart()
+        header = json.loads(header)
+        assert header["ok"] and header["id"] == "r1" and len(images) == 2
+        sock.send_multipart([b'{"op": "health", "id": 7}'])
+        assert sock.poll(10_000) and json.loads(sock.recv())["id"] == 7
+    finally:
+        sock.close()
+
+
+def test_dealer_with_32_requests_in_flight(server):
+    async def main():
+        async with AsyncClient(server.endpoint) as client:
+            audio = np.random.default_rng(5).standard_normal((2, 32, 16, 16)).astype(np.float32)
+            replies = await asyncio.gather(*(client.composite("a", audio, start_frame=k, format="jpeg")
+                                             for k in range(32)))
+        return replies
+
+    replies = asyncio.run(main())
+    for k, (header, images) in enumerate(replies):
+        assert header["frames"] == [mirror_index(k, N_FRAMES), mirror_index(k + 1, N_FRAMES)]
+        assert len(images) == 2
+
+
+def test_load_unload_and_stats(server):
+    with server.client() as c:
+        loaded = c.load("h")
+        assert loaded["model"] == "h" and loaded["loaded_on"] == [0]
+        assert c.health()["models_loaded"]["h"] == [0]
+        stats = c.stats()
+        assert stats["models"]["h"]["loads"] >= 1
+        assert {"requests", "frames", "errors", "evictions", "inference_ms_p50", "inference_ms_p99"} <= set(stats["models"]["h"])
+        assert c.unload("h")["loaded_on"] == []
+        assert "h" not in c.health()["models_loaded"]
+        with pytest.raises(ServerError) as err:
+            c.load("broken")
+        assert err.value.code in ("bad_request", "unknown_model") and "broken" in err.value.message
+
+
+VISUAL1 = np.zeros((1, 6, 320, 320), np.float32).tobytes()
+AUDIO1 = np.zeros((1, 32, 16, 16), np.float32).tobytes()
+BAD_INPUTS = [
+    ("malformed JSON", [b"{not json"], "bad_request", "JSON"),
+    ("header not an object", [b"[1, 2]"], "bad_request", "JSON object"),
+    ("unknown op", [b'{"op": "dance", "id": 1}'], "bad_request", "unknown op"),
+    ("missing op", [b'{"id": 1}'], "bad_request", "op"),
+    ("extra header key", [b'{"op": "health", "colour": "red"}'], "bad_request", "colour"),
+    ("no frames", [b'{"op": "composite", "model": "a", "batch": 1}'], "bad_request", "payload"),
+    ("extra frames", [b'{"op": "composite", "model": "a", "batch": 1}', VISUAL1, AUDIO1, AUDIO1], "bad_request", "payload"),
+    ("infer without visual", [b'{"op": "infer", "model": "a", "batch": 1}', AUDIO1], "bad_request", "payload"),
+    ("frames on health", [b'{"op": "health"}', AUDIO1], "bad_request", "payload"),
+    ("wrong audio size", [b'{"op": "composite", "model": "a", "batch": 1}', AUDIO1[:-4]], "bad_request", "audio"),
+    ("wrong visual size", [b'{"op": "composite", "model": "a", "batch": 1}', VISUAL1[:100], AUDIO1], "bad_request", "visual"),
+    ("batch 0", [b'{"op": "composite", "model": "a", "batch": 0}', AUDIO1], "bad_request", "batch"),
+    ("batch max+1", [json.dumps({"op": "composite", "model": "a", "batch": MAX_BATCH + 1}).encode(), AUDIO1],
+     "bad_request", "limits.max_batch"),
+    ("missing batch", [b'{"op": "composite", "model": "a"}', AUDIO1], "bad_request", "batch"),
+    ("non-numeric batch", [b'{"op": "composite", "model": "a", "batch": "two"}', AUDIO1], "bad_request", "batch"),
+    ("non-numeric quality", [b'{"op": "composite", "model": "a", "batch": 1, "quality": "hi"}', AUDIO1],
+     "bad_request", "quality"),
+    ("quality out of range", [b'{"op": "composite", "model": "a", "batch": 1, "quality": 0}', AUDIO1],
+     "bad_request", "quality"),
+    ("bad format", [b'{"op": "composite", "model": "a", "batch": 1, "format": "gif"}', AUDIO1], "bad_request", "format"),
+    ("negative start_frame", [b'{"op": "composite", "model": "a", "batch": 1, "start_frame": -1}', AUDIO1],
+     "bad_request", "start_frame"),
+    ("unknown model", [b'{"op": "composite", "model": "nobody", "batch": 1}', AUDIO1], "unknown_model", "nobody"),
+    ("invalid model id", [b'{"op": "composite", "model": "../x", "batch": 1}', AUDIO1], "bad_request", "model"),
+    ("missing model", [b'{"op": "load"}'], "bad_request", "model"),
+    ("broken model", [b'{"op": "composite", "model": "broken", "batch": 1}', AUDIO1], "bad_request", "broken"),
+]
+
+
+@pytest.mark.parametrize("name, frames, code, hint", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_exactly_one_typed_error(server, name, frames, code, hint):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([b"", *frames])
+        assert sock.poll(30_000), f"no reply to {name}"
+        reply = sock.recv_multipart()
+        assert reply[0] == b"" and len(reply) == 2, "an error carries no data frames"
+        header = json.loads(reply[1])
+        assert header["ok"] is False and header["error"]["code"] == code, header
+        assert hint.lower() in header["error"]["message"].lower(), header
+        assert not sock.poll(300), "a second reply arrived"
+    finally:
+        sock.close()
+    assert server.health()["status"] == "ready"
+
+
+def test_error_echoes_the_request_id(server):
+    with server.client() as c:
+        header, _ = c.request("health")
+        with pytest.raises(ServerError) as err:
+            c.request("composite", [AUDIO1], model="a", batch=0)
+    assert err.value.reply["id"] is not None and header["ok"]
