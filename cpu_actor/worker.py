@@ -36,6 +36,7 @@ class Compositor:
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self._stopping = False
+        self._preload = self._preload_frames(len(run.endpoints.cpu))
 
     def stop(self) -> None:
         self._stopping = True
@@ -45,15 +46,41 @@ class Compositor:
             ring.close()
         self.store.close()
 
+    def _preload_frames(self, n_processes: int):
+        """compositing.preload: this process's share (every n-th frame) of each listed model."""
+        for model in self.config.compositing.preload:
+            try:
+                assets = self.assets.get(model)
+            except AssetError as err:
+                log.warning("compositing.preload: skipping %s: %s", model, err)
+                continue
+            for frame in range(self.index, assets.n_frames, n_processes):
+                yield model, frame, assets
+
     def run(self) -> None:
         while not self._stopping:
-            if not self.tasks.poll(1000):
+            if not self.tasks.poll(0 if self._preload is not None else 1000):
+                self._preload_one()
                 continue
             msg = decode(self.tasks.recv())
             if isinstance(msg, CompositeTask):
                 self._composite(msg)
             elif isinstance(msg, Shutdown):
                 return
+
+    def _preload_one(self) -> None:
+        """Decode one preload frame between tasks, so preloading delays a request by one decode at most."""
+        if self._preload is None:
+            return
+        item = next(self._preload, None)
+        if item is None:
+            self._preload = None
+            return
+        model, frame, assets = item
+        try:
+            self.store.fetch(model, frame, lambda: assets.decode(frame), want_background=False)
+        except (AssetError, StoreError) as err:
+            log.warning("compositing.preload: %s frame %d: %s", model, frame, err)
 
     def _reply(self, task: CompositeTask, frames=(), **fields) -> None:
         header = CompositeDone(req=task.req, compositor=self.index, start=task.start, end=task.end,

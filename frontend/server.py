@@ -112,6 +112,7 @@ class Frontend:
         self.catalog = Catalog(config)
         self.metrics = Metrics()
         self.requests: dict[int, Pending] = {}
+        self.store_lookups: dict[str, dict[str, int]] = {}   # model -> {"hits", "misses"}
         self._ids = itertools.count(1)
         self._rr = itertools.count()
         self._stopping = False
@@ -450,6 +451,9 @@ class Frontend:
         self.metrics.latency.labels("composite").observe(msg.composite_ms)
         self.metrics.store.labels(p.spec.id, "hit").inc(msg.hits)
         self.metrics.store.labels(p.spec.id, "miss").inc(msg.misses)
+        lookups = self.store_lookups.setdefault(p.spec.id, {"hits": 0, "misses": 0})
+        lookups["hits"] += msg.hits
+        lookups["misses"] += msg.misses
         if p.chunks:
             return
         worker = self.workers[p.worker]
@@ -610,7 +614,8 @@ class Frontend:
         missing = sorted(p.waiting_on)
         if missing:
             workers += [{"index": i, "error": "no answer within 2 s"} for i in missing]
-        self._finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers)))
+        store = {m: dict(v) for m, v in self.store_lookups.items() if p.header.model in (None, m)}
+        self._finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers, store=store)))
 
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:

@@ -1,6 +1,9 @@
-"""shm/ owns everything that lives in POSIX shared memory: slot rings that carry tensors between
-local processes, the handles (`TensorRef`) that messages carry instead of tensors, and the
-internal IPC messages that move those handles. Imports no other room of this project.
+"""shm/ owns local inter-process plumbing: POSIX shared memory (slot rings that carry tensors between
+processes, the shared background store), the handles (`TensorRef`) that messages carry instead of
+tensors, the internal IPC messages (messages.py), every internal endpoint (endpoints.py) and the
+common life of a child process (child.py).
+
+Imports no other room of this project.
 """
 
 from shm.ring import RingError, RingFull, RingSpec, SlotRing, SlotState, StaleHandle, TensorRef

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+import urllib.request
 
 import cv2
 import numpy as np
@@ -13,7 +15,7 @@ import simplejpeg
 import zmq
 
 from frontend.client import AsyncClient, Client, ServerError
-from tests.helpers import base_config, make_avatar, mirror_index, reference_composite, reference_visual, run_server
+from tests.helpers import free_port, base_config, make_avatar, mirror_index, reference_composite, reference_visual, run_server
 
 N_FRAMES, SIZE = 5, (320, 240)
 MAX_BATCH = 8
@@ -31,9 +33,14 @@ def models(tmp_path_factory):
     return root
 
 
+server_metrics_port = [0]
+
+
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    cfg = base_config(models, **{"limits.max_batch": MAX_BATCH, "limits.queue_depth": 32})
+    cfg = base_config(models, **{"limits.max_batch": MAX_BATCH, "limits.queue_depth": 32,
+                                 "metrics.port": free_port(), "compositing.preload": ["h"]})
+    server_metrics_port[0] = cfg["metrics"]["port"]
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
         yield srv
 
@@ -223,3 +230,23 @@ def test_error_echoes_the_request_id(server):
         with pytest.raises(ServerError) as err:
             c.request("composite", [AUDIO1], model="a", batch=0)
     assert err.value.reply["id"] is not None and header["ok"]
+
+
+def test_preloaded_backgrounds_are_store_hits(server):
+    # Model "h" is in compositing.preload and never used before this test: every lookup must hit.
+    time.sleep(1.0)  # preloading runs between tasks once the server is up
+    with server.client() as c:
+        c.composite("h", np.zeros((3, 32, 32, 32), np.float32), format="raw")
+        assert c.stats("h")["store"]["h"] == {"hits": 3, "misses": 0}
+
+
+def test_prometheus_metrics(server):
+    with server.client() as c:
+        c.composite("a", np.zeros((2, 32, 16, 16), np.float32))
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server_metrics_port[0]}/metrics", timeout=10).read().decode()
+    for name in ("lipsync_requests_total", "lipsync_latency_ms_bucket", "lipsync_queue_depth",
+                 "lipsync_models_loaded", "lipsync_model_events_total", "lipsync_model_load_ms_bucket",
+                 "lipsync_background_cache_total", "lipsync_shm_slots_in_use", "lipsync_frames_total"):
+        assert name in body, name
+    assert 'lipsync_requests_total{model="a",op="composite",outcome="ok"}' in body
+    assert 'stage="inference"' in body and 'stage="composite"' in body
