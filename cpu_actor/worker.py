@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+import cv2
 import zmq
 
 from config import Config
@@ -30,6 +31,8 @@ class Compositor:
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
         self.config, self.index = config, index
         self.device = "cpu"
+        # NOTE: the pool of processes is the parallelism; cv2's own threads would oversubscribe cores.
+        cv2.setNumThreads(1)
         self.tasks = make_socket(ctx, zmq.PULL, bind=run.endpoints.cpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=run.endpoints.frontend)
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
