@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
@@ -29,9 +29,35 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
+class TenantConfig(_Section):
+    keys: tuple[str, ...]                # public key files (from `python -m supervisor keys`)
+    models: tuple[str, ...] = ("*",)     # model ids this tenant may use; "*" = all
+
+
+class CurveConfig(_Section):
+    secret_key: str                      # this server's secret key file
+    tenants: dict[str, TenantConfig] = {}
+
+
 class FrontendConfig(_Section):
     bind: tuple[Endpoint, ...] = ("tcp://127.0.0.1:5555",)
     routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    curve: Optional[CurveConfig] = None
+
+
+class BridgeHost(_Section):
+    endpoint: Endpoint                   # the GPU host's bridge.bind, as this edge reaches it
+    server_key: str                      # that host's public key file
+
+
+class BridgeConfig(_Section):
+    bind: Endpoint = "tcp://127.0.0.1:5570"        # role gpu: where edges connect
+    secret_key: Optional[str] = None               # role gpu: this host's secret key file
+    authorized_keys: Optional[str] = None          # role gpu: directory of edge public key files
+    hosts: tuple[BridgeHost, ...] = ()             # roles all/edge: GPU hosts to use
+    client_secret_key: Optional[str] = None        # roles all/edge: this edge's secret key file
+    heartbeat_s: PosFloat = 0.25
+    dead_after_s: PosFloat = 1.0
 
 
 class MetricsConfig(_Section):
@@ -117,5 +143,6 @@ class Config(_Section):
     shm: ShmConfig = ShmConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     demo: DemoConfig = DemoConfig()
+    bridge: BridgeConfig = BridgeConfig()
     # Where the file came from: relative paths in it resolve against this directory.
     base_dir: str = "."
