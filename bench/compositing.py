@@ -24,7 +24,7 @@ from cpu_actor.worker import run_cpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import CompositeDone, CompositeTask, Ready, decode, encode as encode_msg
 from shm.ring import RingSpec, SlotRing
-from shm.segment import run_prefix
+from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
 
 BATCH = 8
@@ -50,6 +50,7 @@ class CompositingProcess:
         self.model_id, self.assets = model_id, assets
         self.run_dir = tempfile.mkdtemp(prefix="lsync-bench-")
         config = parse_config({"models_dir": models_dir, "compositing": {"workers": 1}}, base_dir="/")
+        sweep_dead_runs("lsbench")  # segments of bench runs that were killed half-way
         prefix = run_prefix("lsbench")
         spec = RingSpec.for_bytes(f"{prefix}-out0", 2, BATCH * 3 * 320 * 320 * 4)
         self.ring = SlotRing.create(spec)

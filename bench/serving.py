@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from frontend.client import AsyncClient, Client
 from tests.helpers import base_config, run_server

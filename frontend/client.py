@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import zmq
@@ -56,6 +56,14 @@ def _parse(frames: list) -> Reply:
         err = header.get("error", {})
         raise ServerError(err.get("code", "internal"), err.get("message", ""), header)
     return header, frames[1:]
+
+
+def curve_keys(secret_key_file: str, server_key_file: str) -> dict:
+    """CURVE keys for a client: its own pair (the .key_secret file) and the server's public key."""
+    import zmq.auth
+    public, secret = zmq.auth.load_certificate(secret_key_file)
+    server, _ = zmq.auth.load_certificate(server_key_file)
+    return {"public": public, "secret": secret, "server": server}
 
 
 def _new_socket(ctx, endpoint: str, curve: Optional[dict]):

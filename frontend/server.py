@@ -23,13 +23,14 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from config import Config
+from config import Config, resolve_path
 from config.assets import frame_index
 from frontend import protocol as P
 from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.metrics import Metrics
 from frontend.validate import VISUAL_BYTES, RequestError, Tensors, check_request, check_tensors, parse_header
 from shm.child import child_main
+from shm.curve import load_public, make_server, start_authenticator
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (Chunk, CompositeDone, InferDone, InferTask, LoadDone, LoadModel, ModelEvent,
                           ProcessEvent, ReleaseTask, StatsQuery, StatsReport, UnloadModel, decode, encode)
@@ -49,10 +50,20 @@ def _version() -> str:
         return "0.0.0"
 
 
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    models: Optional[frozenset]    # None: every model
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
 @dataclass
 class Client:
     sock: Any                      # the ROUTER socket the request came in on
     envelope: list                 # routing id(s) + empty delimiter, sent back as is
+    tenant: Optional["Tenant"] = None
 
 
 @dataclass
@@ -118,11 +129,16 @@ class Frontend:
         self._stopping = False
         self.started = time.monotonic()
         lim = config.limits
+        self.tenants = self._tenants(ctx)
         self.clients = []
         for endpoint in config.frontend.bind:
             network = not endpoint.startswith(("ipc://", "inproc://"))
-            self.clients.append(make_socket(self.ctx, zmq.ROUTER, bind=endpoint,
-                                            max_message_bytes=lim.max_message_bytes if network else None))
+            sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=lim.max_message_bytes if network else None)
+            if config.frontend.curve is not None:
+                make_server(sock, resolve_path(config, config.frontend.curve.secret_key),
+                            "frontend.curve.secret_key")
+            sock.bind(endpoint)
+            self.clients.append(sock)
         self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend)
         self.workers = []
         for i, (addr, spec) in enumerate(zip(run.endpoints.gpu, run.input_rings)):
@@ -131,6 +147,20 @@ class Frontend:
             self.workers.append(Worker(i, run.devices[i], ring, make_socket(self.ctx, zmq.PUSH, connect=addr)))
         self.compositors = [Proc() for _ in run.endpoints.cpu]
         self.metrics.serve(config.metrics.host, config.metrics.port)
+
+    def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
+        """frontend.curve: client key (z85) -> its tenant; None when clients need no key."""
+        curve = self.config.frontend.curve
+        if curve is None:
+            return None
+        tenants: dict[str, Tenant] = {}
+        for name, t in curve.tenants.items():
+            models = None if "*" in t.models else frozenset(t.models)
+            for key_file in t.keys:
+                key = load_public(resolve_path(self.config, key_file), f"frontend.curve.tenants.{name}.keys")
+                tenants[key.decode()] = Tenant(name, models)
+        self.auth = start_authenticator(ctx, [k.encode() for k in tenants], "frontend")
+        return tenants
 
     # -- life ---------------------------------------------------------------------------------
 
@@ -142,6 +172,8 @@ class Frontend:
         self._stopping = True
 
     def close(self) -> None:
+        if getattr(self, "auth", None) is not None:
+            self.auth.stop()
         # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
         # does not know them: close each here, or the context's term() blocks forever.
         for sock in self.clients:
@@ -247,10 +279,15 @@ class Frontend:
         if not body:
             self._error(client, None, P.ErrorCode.BAD_REQUEST, "empty request: send [header, payload...]")
             return
+        if self.tenants is not None:
+            client.tenant = self.tenants.get(body[0].get("User-Id"))
         try:
             header = parse_header(body[0].bytes)
             payload = [f.buffer for f in body[1:]]
             check_request(header, payload, self.config.limits.max_batch)
+            if client.tenant is not None and header.model is not None and not client.tenant.allows(header.model):
+                raise RequestError(P.ErrorCode.FORBIDDEN, f"model {header.model!r} does not belong to tenant "
+                                   f"{client.tenant.name}; use one of its models", header.id)
         except RequestError as err:
             self.metrics.requests.labels("invalid", "", err.code.value).inc()
             self._error(client, err.request_id, err.code, err.message)
@@ -287,6 +324,10 @@ class Frontend:
             raise RequestError(P.ErrorCode(spec.code), spec.message, p.header.id)
         return spec
 
+    def _no_worker_message(self) -> str:
+        states = ", ".join(f"worker {w.index} ({w.device}) is {w.state}" for w in self.workers)
+        return f"no inference worker is ready: {states}; retry shortly"
+
     def _pick_worker(self, model: str) -> Optional[Worker]:
         ready = [w for w in self.workers if w.ready]
         if not ready:
@@ -310,8 +351,7 @@ class Frontend:
             return  # expired while the catalog read the model's files
         worker = self._pick_worker(spec.id)
         if worker is None:
-            raise RequestError(P.ErrorCode.UNAVAILABLE, "no inference worker is ready (starting or restarting); "
-                               "retry shortly", p.header.id)
+            raise RequestError(P.ErrorCode.UNAVAILABLE, self._no_worker_message(), p.header.id)
         if len(worker.queue) >= self.config.limits.queue_depth:
             raise RequestError(P.ErrorCode.OVERLOADED, f"inference worker {worker.index} has "
                                f"{len(worker.queue)} requests queued (limits.queue_depth); retry later",
@@ -494,8 +534,9 @@ class Frontend:
         if not was_ready and msg.state != "died":
             return
         # The process is gone: everything it held gets `unavailable` now, never silence.
-        reason = (f"{'inference worker' if msg.role == 'gpu' else 'compositing process'} {msg.index} died "
-                  "and is restarting; retry")
+        what = f"{'inference worker' if msg.role == 'gpu' else 'compositing process'} {msg.index}"
+        reason = (f"{what} ({proc.device if isinstance(proc, Worker) else 'cpu'}) is unreachable; retry"
+                  if msg.state == "unreachable" else f"{what} died and is restarting; retry")
         for req in list(proc.active):
             p = self.requests.get(req)
             if p is not None:
@@ -530,7 +571,7 @@ class Frontend:
                                                models_loaded=loaded, version=_version())))
 
     async def _models(self, p: Pending, payload: list) -> None:
-        ids = self.catalog.ids()
+        ids = [i for i in self.catalog.ids() if p.client.tenant is None or p.client.tenant.allows(i)]
         specs = await asyncio.gather(*(self.catalog.get(i) for i in ids))
         models = []
         for model_id, spec in zip(ids, specs):
@@ -546,7 +587,7 @@ class Frontend:
         await self._spec(p)
         worker = self._pick_worker(p.header.model)
         if worker is None:
-            raise RequestError(P.ErrorCode.UNAVAILABLE, "no inference worker is ready; retry shortly", p.header.id)
+            raise RequestError(P.ErrorCode.UNAVAILABLE, self._no_worker_message(), p.header.id)
         p.waiting_on = {worker.index}
         worker.sock.send(encode(LoadModel(req=p.req, model=p.header.model)))
 
@@ -609,12 +650,12 @@ class Frontend:
                         merged[key] = max(merged.get(key, 0.0), value)
                     else:
                         merged[key] = merged.get(key, 0) + value
-        if p.header.model is not None:
-            models = {k: v for k, v in models.items() if k == p.header.model}
+        tenant = p.client.tenant
+        models = {k: v for k, v in models.items() if p.header.model in (None, k) and (tenant is None or tenant.allows(k))}
         missing = sorted(p.waiting_on)
         if missing:
             workers += [{"index": i, "error": "no answer within 2 s"} for i in missing]
-        store = {m: dict(v) for m, v in self.store_lookups.items() if p.header.model in (None, m)}
+        store = {m: dict(v) for m, v in self.store_lookups.items() if m in models or p.header.model == m}
         self._finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers, store=store)))
 
 

@@ -176,9 +176,20 @@ class Shutdown(_Msg):
     pass
 
 
+# -- the remote bridge (edge <-> GPU host, over CURVE) -------------------------------------------
+
+class Ping(_Msg):
+    sent: float
+
+
+class Pong(_Msg):
+    sent: float
+    loaded: list[str]                # models loaded on the GPU host, for the edge's routing
+
+
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
-    CompositeDone, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown,
+    CompositeDone, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown, Ping, Pong,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -12,13 +12,35 @@ import msgspec
 from config import ConfigError, load_config
 
 
+def keys_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m supervisor keys",
+                                     description="Write a CURVE key pair: DIR/NAME.key (public, share it) and "
+                                                 "DIR/NAME.key_secret (secret, keep it).")
+    parser.add_argument("dir")
+    parser.add_argument("names", nargs="+", metavar="NAME")
+    args = parser.parse_args(argv)
+    import zmq.auth
+    os.makedirs(args.dir, exist_ok=True)
+    for name in args.names:
+        public, secret = zmq.auth.create_certificates(args.dir, name)
+        os.chmod(secret, 0o600)
+        print(f"{public}\n{secret}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m supervisor",
                                      description="Start the lip-sync server: frontend, inference workers, "
                                                  "compositing pool.")
     parser.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded default, which "
                         "serves a demo avatar)")
     parser.add_argument("--check-config", metavar="FILE", help="validate FILE and exit")
+    parser.add_argument("--role", choices=["all", "gpu", "edge"], default="all",
+                        help="all: everything on this host (default); gpu: inference workers and the bridge that "
+                             "edges connect to; edge: frontend and compositing, inference on bridge.hosts")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("LIPSYNC_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
@@ -34,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     from supervisor.demo import build_demo
     from supervisor.tree import StartError, Supervisor
 
-    if config.models_dir is None and not config.models:
+    if config.models_dir is None and not config.models and args.role == "all":
         config = msgspec.structs.replace(config, models_dir=str(build_demo(config)))
     try:
-        sup = Supervisor(config)
+        sup = Supervisor(config, args.role)
     except Exception as err:  # e.g. shm creation failed: nothing is left behind
         print(f"cannot start: {err}", file=sys.stderr)
         return 1

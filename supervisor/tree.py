@@ -23,6 +23,7 @@ import zmq
 from config import Config
 from cpu_actor.worker import run_cpu_process
 from frontend.server import run_frontend_process
+from gpu_actor.bridge import run_bridge_process, run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode
@@ -33,7 +34,9 @@ from shm.store import BackgroundStore, store_spec
 log = logging.getLogger("supervisor")
 VISUAL_BYTES = 6 * 320 * 320 * 4
 MOUTH_BYTES = 3 * 320 * 320 * 4
-ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process}
+ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process,
+                                "bridge": run_bridge_process, "remote": run_remote_worker_process}
+ROLES = ("all", "gpu", "edge")
 
 
 class StartError(RuntimeError):
@@ -56,8 +59,17 @@ class Child:
         return f"{self.role}{self.index}"
 
 
-def resolve_devices(config: Config) -> list[str]:
-    """One entry per inference worker: 'cpu' or 'cuda:N'."""
+def resolve_devices(config: Config, role: str = "all") -> list[str]:
+    """One entry per inference worker: 'cpu', 'cuda:N', or 'remote:<endpoint>' (a GPU host)."""
+    remote = [f"remote:{h.endpoint}" for h in config.bridge.hosts] if role != "gpu" else []
+    if role == "edge":
+        if not remote:
+            raise StartError("--role edge needs GPU hosts: list them in bridge.hosts")
+        return remote
+    return _local_devices(config) + remote
+
+
+def _local_devices(config: Config) -> list[str]:
     inf = config.inference
     wanted = inf.devices
     if wanted == "cpu":
@@ -85,8 +97,8 @@ def _cuda_device_count() -> int:
 
 
 class Supervisor:
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self, config: Config, role: str = "all"):
+        self.config, self.role = config, role
         self._stop = False
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
@@ -100,7 +112,8 @@ class Supervisor:
         self.to_frontend = make_socket(self.ctx, zmq.PUSH, connect=self.run.endpoints.frontend)
         self.to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.gpu]
         self.children = ([Child("gpu", i) for i in range(len(self.run.devices))]
-                         + [Child("cpu", i) for i in range(len(self.run.endpoints.cpu))] + [Child("frontend", 0)])
+                         + [Child("cpu", i) for i in range(len(self.run.endpoints.cpu))]
+                         + [Child("bridge" if role == "gpu" else "frontend", 0)])
         self._mp = mp.get_context("spawn")
 
     # -- shared memory --------------------------------------------------------------------------
@@ -110,7 +123,7 @@ class Supervisor:
         swept = sweep_dead_runs(cfg.shm.prefix)
         if swept:
             log.warning("removed %d shared-memory segments of dead runs: %s", len(swept), ", ".join(swept[:5]))
-        devices = resolve_devices(cfg)
+        devices = resolve_devices(cfg, self.role)
         prefix = run_prefix(cfg.shm.prefix)
         lim = cfg.limits
         in_bytes = lim.max_batch * VISUAL_BYTES + 64 + lim.max_batch * lim.max_audio_elements * 4
@@ -123,7 +136,7 @@ class Supervisor:
         store = store_spec(prefix, self.run_dir, comp.cache_bytes, comp.max_frame_width, comp.max_frame_height,
                            comp.eviction)
         self._created.append(BackgroundStore.create(store))
-        n_cpu = comp.resolved_workers()
+        n_cpu = comp.resolved_workers() if self.role != "gpu" else 0
         self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu),
                            inputs, outputs, store, tuple(devices))
 
@@ -139,14 +152,16 @@ class Supervisor:
     # -- children -------------------------------------------------------------------------------
 
     def _spawn(self, child: Child) -> None:
-        child.process = self._mp.Process(target=ENTRIES[child.role], args=(self.config, self.run, child.index),
+        remote = child.role == "gpu" and self.run.devices[child.index].startswith("remote:")
+        entry = ENTRIES["remote" if remote else child.role]
+        child.process = self._mp.Process(target=entry, args=(self.config, self.run, child.index),
                                          name=f"lsync-{child.name}", daemon=False)
         child.process.start()
         child.state = "starting"
         self._event(child)
 
     def _event(self, child: Child) -> None:
-        if child.role == "frontend":
+        if child.role in ("frontend", "bridge"):
             return
         pid = child.process.pid if child.process is not None else None
         device = self.run.devices[child.index] if child.role == "gpu" else "cpu"
@@ -191,7 +206,7 @@ class Supervisor:
                 return
             child.state = "ready"
             log.info("%s ready (pid %d)", child.name, msg.pid)
-            if child.role == "frontend" and child.restarts:
+            if child.role in ("frontend", "bridge") and child.restarts:
                 for sock in self.to_gpu:
                     sock.send(encode(ResetRequests()))
                 for other in self.children:
@@ -245,7 +260,8 @@ class Supervisor:
     def shutdown(self) -> None:
         """Stop accepting and drain (the frontend first), stop the children, unlink shared memory."""
         grace = self.config.supervisor.shutdown_timeout_s
-        order = [[c for c in self.children if c.role == "frontend"], [c for c in self.children if c.role != "frontend"]]
+        front = ("frontend", "bridge")
+        order = [[c for c in self.children if c.role in front], [c for c in self.children if c.role not in front]]
         for group in order:
             live = [c for c in group if c.process is not None and c.process.is_alive()]
             for child in live:
@@ -268,7 +284,8 @@ class Supervisor:
         from config.assets import list_model_ids
         ids = list_model_ids(cfg)
         shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
-        return (f"serving on {', '.join(cfg.frontend.bind)}\n"
+        where = cfg.bridge.bind + " (bridge, for edges)" if self.role == "gpu" else ", ".join(cfg.frontend.bind)
+        return (f"role {self.role}: serving on {where}\n"
                 f"  inference workers: {workers}\n"
                 f"  compositing processes: {len(self.run.endpoints.cpu)}\n"
                 f"  models: {shown or 'none'}\n"

@@ -16,7 +16,9 @@ from typing import Optional
 
 import cv2
 import numpy as np
+import onnxruntime as ort
 import psutil
+import simplejpeg
 import yaml
 
 from frontend.client import Client, ClientTimeout, ServerError
@@ -70,6 +72,30 @@ def reference_visual(background: np.ndarray, rect) -> np.ndarray:
     return np.concatenate([r.transpose(2, 0, 1), m.transpose(2, 0, 1)]).astype(np.float32) / 255
 
 
+def expected_frames(models, model, audio, start, batch, visual=None):
+    """What the server must return: the tiny model run by onnxruntime, composited by the reference."""
+    d = models / model
+    rects = json.loads((d / "crop_rects.json").read_text())
+    n = len(rects)
+    frames = [mirror_index(start + i, n) for i in range(batch)]
+    backgrounds = [cv2.imread(str(d / "frames" / f"{k}.png")) for k in frames]
+    if visual is None:
+        visual = np.stack([reference_visual(bg, rects[str(k)]["rect"]) for bg, k in zip(backgrounds, frames)])
+    session = ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"])
+    audio = np.broadcast_to(audio, (batch, *audio.shape[-3:])) if audio.ndim == 3 else audio
+    mouths = np.concatenate([session.run(None, {"input": visual[i:i + 1], "audio": audio[i:i + 1]})[0]
+                             for i in range(batch)])
+    return frames, [reference_composite(bg, rects[str(k)]["rect"], m) for bg, k, m in zip(backgrounds, frames, mouths)]
+
+
+def decode_image(image: bytes, fmt: str, header: dict) -> np.ndarray:
+    if fmt == "raw":
+        return np.frombuffer(image, np.uint8).reshape(header["height"], header["width"], 3)
+    if fmt == "png":
+        return cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
+    return simplejpeg.decode_jpeg(image, colorspace="BGR")
+
+
 def mirror_index(k: int, n: int) -> int:
     seq = list(range(n)) + list(range(n - 1, -1, -1))
     return seq[k % (2 * n)]
@@ -103,11 +129,11 @@ def base_config(models_dir: Path, **overrides) -> dict:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path):
-        self.proc, self.endpoint, self.log = proc, endpoint, log
+    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path, curve: Optional[dict] = None):
+        self.proc, self.endpoint, self.log, self.curve = proc, endpoint, log, curve
 
     def client(self, **kw) -> Client:
-        return Client(self.endpoint, **kw)
+        return Client(self.endpoint, curve=kw.pop("curve", self.curve), **kw)
 
     def health(self) -> dict:
         with self.client(timeout_s=5) as c:
@@ -116,7 +142,7 @@ class Server:
     def pids(self, role: str) -> list[int]:
         return [p["pid"] for p in self.health()["processes"] if p["role"] == role]
 
-    def wait_ready(self, timeout_s: float = 60) -> dict:
+    def wait_ready(self, timeout_s: float = 60, states=("ready",)) -> dict:
         deadline = time.monotonic() + timeout_s
         last = None
         while time.monotonic() < deadline:
@@ -124,7 +150,7 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 last = self.health()
-                if last["status"] == "ready":
+                if last["status"] in states:
                     return last
             except (ClientTimeout, ServerError):
                 pass
@@ -154,17 +180,18 @@ class Server:
 
 
 @contextmanager
-def run_server(tmp_path: Path, config: dict):
+def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role: str = "all",
+               states=("ready",)):
     cfg_path = tmp_path / f"server-{time.monotonic_ns()}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     log = cfg_path.with_suffix(".log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--config", str(cfg_path)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", role, "--config", str(cfg_path)], cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
-    server = Server(proc, config["frontend"]["bind"][0], log)
+    server = Server(proc, config["frontend"]["bind"][0], log, curve)
     try:
-        server.wait_ready()
+        server.wait_ready(states=states)
         yield server
     finally:
         if proc.poll() is None:

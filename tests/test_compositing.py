@@ -3,7 +3,6 @@ encoders, and the background store shared by processes."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 

@@ -7,15 +7,14 @@ import json
 import time
 import urllib.request
 
-import cv2
 import numpy as np
 import onnxruntime as ort
 import pytest
 import simplejpeg
 import zmq
 
-from frontend.client import AsyncClient, Client, ServerError
-from tests.helpers import free_port, base_config, make_avatar, mirror_index, reference_composite, reference_visual, run_server
+from frontend.client import AsyncClient, ServerError
+from tests.helpers import base_config, decode_image, expected_frames, free_port, make_avatar, mirror_index, run_server
 
 N_FRAMES, SIZE = 5, (320, 240)
 MAX_BATCH = 8
@@ -45,30 +44,6 @@ def server(models, tmp_path_factory):
         yield srv
 
 
-def _expected_frames(models, model, audio, start, batch, visual=None):
-    """What the server must return: the tiny model run by onnxruntime, composited by the reference."""
-    d = models / model
-    rects = json.loads((d / "crop_rects.json").read_text())
-    n = len(rects)
-    frames = [mirror_index(start + i, n) for i in range(batch)]
-    backgrounds = [cv2.imread(str(d / "frames" / f"{k}.png")) for k in frames]
-    if visual is None:
-        visual = np.stack([reference_visual(bg, rects[str(k)]["rect"]) for bg, k in zip(backgrounds, frames)])
-    session = ort.InferenceSession(str(d / "model.onnx"), providers=["CPUExecutionProvider"])
-    audio = np.broadcast_to(audio, (batch, *audio.shape[-3:])) if audio.ndim == 3 else audio
-    mouths = np.concatenate([session.run(None, {"input": visual[i:i + 1], "audio": audio[i:i + 1]})[0]
-                             for i in range(batch)])
-    return frames, [reference_composite(bg, rects[str(k)]["rect"], m) for bg, k, m in zip(backgrounds, frames, mouths)]
-
-
-def _decode(image: bytes, fmt: str, header: dict) -> np.ndarray:
-    if fmt == "raw":
-        return np.frombuffer(image, np.uint8).reshape(header["height"], header["width"], 3)
-    if fmt == "png":
-        return cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
-    return simplejpeg.decode_jpeg(image, colorspace="BGR")
-
-
 def test_health_and_models(server):
     health = server.health()
     assert health["status"] == "ready"
@@ -87,13 +62,13 @@ def test_audio_only_composite_matches_reference(server, models, fmt):
     audio = np.random.default_rng(1).standard_normal((4, 32, 16, 16)).astype(np.float32)
     with server.client() as c:
         header, images = c.composite("a", audio, start_frame=3, format=fmt)
-    frames, expected = _expected_frames(models, "a", audio, 3, 4)
+    frames, expected = expected_frames(models, "a", audio, 3, 4)
     assert header["frames"] == frames == [3, 4, 4, 3]
     assert (header["width"], header["height"], header["batch"], header["format"]) == (*SIZE, 4, fmt)
     assert set(header["timing"]) == {"queue_ms", "inference_ms", "composite_ms", "total_ms"}
     assert len(images) == 4
     for image, want in zip(images, expected):
-        got = _decode(image, fmt, header)
+        got = decode_image(image, fmt, header)
         assert got.shape == (SIZE[1], SIZE[0], 3)
         if fmt == "jpeg":  # libjpeg-turbo is deterministic: the reference, encoded alike, is the same file
             assert image == simplejpeg.encode_jpeg(want, 75, colorspace="BGR", colorsubsampling="420")
@@ -107,9 +82,9 @@ def test_visual_and_audio_composite_with_one_audio_window(server, models):
     window = rng.standard_normal((32, 16, 16)).astype(np.float32)
     with server.client() as c:
         header, images = c.composite("a", window, visual=visual, format="raw")
-    _, expected = _expected_frames(models, "a", window, 0, 3, visual=visual)
+    _, expected = expected_frames(models, "a", window, 0, 3, visual=visual)
     for image, want in zip(images, expected):
-        np.testing.assert_array_equal(_decode(image, "raw", header), want)
+        np.testing.assert_array_equal(decode_image(image, "raw", header), want)
 
 
 def test_infer_returns_the_models_mouths(server, models):

@@ -1,0 +1,79 @@
+"""ZeroMQ CURVE for every socket that faces a network: key files, an allow list, the authenticator.
+
+Key pairs come from `python -m supervisor keys DIR NAME` (pyzmq's `zmq.auth.create_certificates`):
+DIR/NAME.key is the public key (share it), DIR/NAME.key_secret the secret one (keep it).
+A server accepts only the public keys it lists; every refusal is logged with the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Iterable
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger(__name__)
+
+
+class KeyError_(ValueError):
+    """A key file is missing or unreadable; the message names the file and the config key."""
+
+
+def load_public(path: str | Path, setting: str) -> bytes:
+    try:
+        public, _ = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as err:
+        raise KeyError_(f"{setting}: cannot read public key file {path}: {err}") from None
+    return public
+
+
+def load_pair(path: str | Path, setting: str) -> tuple[bytes, bytes]:
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as err:
+        raise KeyError_(f"{setting}: cannot read key file {path}: {err}") from None
+    if secret is None:
+        raise KeyError_(f"{setting}: {path} holds no secret key (use the .key_secret file)")
+    return public, secret
+
+
+def public_keys_in(directory: str | Path, setting: str) -> list[bytes]:
+    d = Path(directory)
+    if not d.is_dir():
+        raise KeyError_(f"{setting}: {d} is not a directory of public key files")
+    return [load_public(p, setting) for p in sorted(d.glob("*.key"))]
+
+
+class _AllowList:
+    def __init__(self, allowed: Callable[[bytes], bool], what: str):
+        self._allowed, self._what = allowed, what
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        ok = self._allowed(z85_key)
+        if not ok:
+            log.warning("%s: refused a client with unknown CURVE key %s", self._what, z85_key.decode())
+        return ok
+
+
+def start_authenticator(ctx: zmq.Context, allowed_z85: Iterable[bytes], what: str) -> ThreadAuthenticator:
+    """One ZAP handler per context: accept exactly the given public keys (z85), log the rest."""
+    keys = {bytes(k) for k in allowed_z85}
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger("zmq.auth"))
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_AllowList(keys.__contains__, what))
+    return auth
+
+
+def make_server(sock: zmq.Socket, secret_key_file: str, setting: str) -> None:
+    public, secret = load_pair(secret_key_file, setting)
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_server = True
+
+
+def make_client(sock: zmq.Socket, secret_key_file: str, server_key_file: str, setting: str) -> None:
+    public, secret = load_pair(secret_key_file, f"{setting}.client_secret_key")
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_serverkey = load_public(server_key_file, f"{setting}.server_key")

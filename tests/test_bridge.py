@@ -1,0 +1,179 @@
+"""The edge split over loopback: an edge supervisor (frontend + compositing) using a GPU supervisor
+(inference + bridge) with CURVE; a lost GPU host; unknown keys; tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from frontend.client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
+from tests.conftest import TEST_PREFIX
+from tests.helpers import ROOT, base_config, decode_image, expected_frames, free_port, make_avatar, run_server
+
+pytestmark = pytest.mark.slow
+AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("keys")
+    subprocess.run([sys.executable, "-m", "supervisor", "keys", str(d), "gpu", "edge", "stranger", "server",
+                    "alice", "bob"], cwd=ROOT, check=True, capture_output=True, timeout=60)
+    (d / "authorized").mkdir()
+    (d / "authorized" / "edge.key").write_bytes((d / "edge.key").read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    make_avatar(root, "a", n_frames=5)
+    make_avatar(root, "b", n_frames=3, seed=2)
+    make_avatar(root, "slow", n_frames=3, kind="unet328")
+    return root
+
+
+def gpu_config(models: Path, keys: Path, port: int) -> dict:
+    return base_config(models, **{"shm.prefix": TEST_PREFIX + "g", "bridge": {
+        "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
+        "authorized_keys": str(keys / "authorized")}})
+
+
+def edge_config(models: Path, keys: Path, port: int, client: str = "edge", **extra) -> dict:
+    return base_config(models, **{"shm.prefix": TEST_PREFIX + "e", "bridge": {
+        "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
+        "client_secret_key": str(keys / f"{client}.key_secret"), "heartbeat_s": 0.2, "dead_after_s": 0.8}}, **extra)
+
+
+@contextmanager
+def gpu_host(tmp_path: Path, config: dict):
+    """A `--role gpu` supervisor; ready once it prints its summary."""
+    cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log = cfg.with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "role gpu: serving" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def _remote_ready(client: Client, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = client.health()
+        gpu = [p for p in health["processes"] if p["role"] == "gpu"]
+        if health["status"] == "ready" and all(p["state"] == "ready" for p in gpu):
+            return health
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+
+
+def test_composite_through_the_bridge_has_single_host_pixels(tmp_path, models, keys):
+    port = free_port()
+    with gpu_host(tmp_path, gpu_config(models, keys, port)):
+        with run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
+            health = _remote_ready(c)
+            assert [p["device"] for p in health["processes"] if p["role"] == "gpu"] == [f"remote:tcp://127.0.0.1:{port}"]
+            for fmt, visual in (("raw", None), ("png", np.random.default_rng(1).random((4, 6, 320, 320), dtype=np.float32))):
+                header, images = c.composite("a", AUDIO, visual=visual, start_frame=2, format=fmt)
+                _, expected = expected_frames(models, "a", AUDIO, 2, 4, visual=visual)
+                for image, want in zip(images, expected):
+                    np.testing.assert_array_equal(decode_image(image, fmt, header), want)
+            reply, mouths = c.infer("b", np.zeros((2, 6, 320, 320), np.float32), AUDIO[:2])
+            assert mouths.shape == (2, 3, 320, 320)
+            assert c.load("a")["loaded_on"] == [0]
+
+
+def test_lost_gpu_host_gives_unavailable_then_recovers_without_edge_restart(tmp_path, models, keys):
+    port = free_port()
+    with run_server(tmp_path, edge_config(models, keys, port), role="edge", states=("degraded",)) as edge, \
+            edge.client() as c:
+        with gpu_host(tmp_path, gpu_config(models, keys, port)) as (proc, _):
+            _remote_ready(c)
+            c.load("slow")
+
+            async def kill_during_request():
+                async with AsyncClient(edge.endpoint, timeout_s=30) as ac:
+                    task = asyncio.create_task(ac.composite("slow", np.zeros((8, 32, 16, 16), np.float32)))
+                    await asyncio.sleep(0.5)
+                    os.killpg(proc.pid, signal.SIGKILL)  # the whole GPU host goes away
+                    killed = time.monotonic()
+                    try:
+                        await task
+                        return "ok", 0.0
+                    except ServerError as err:
+                        return err.code, time.monotonic() - killed
+
+            code, after = asyncio.run(kill_during_request())
+            proc.wait(10)
+        assert code == "unavailable" and after < 2.0, (code, after)
+        with pytest.raises(ServerError) as err:
+            c.composite("a", AUDIO)
+        assert err.value.code == "unavailable" and "unreachable" in err.value.message
+        assert c.health()["status"] == "degraded"
+        # The host comes back on the same address (its predecessor's shm is swept at start).
+        with gpu_host(tmp_path, gpu_config(models, keys, port)):
+            _remote_ready(c)
+            header, images = c.composite("a", AUDIO, format="jpeg")
+            assert header["ok"] and len(images) == 4
+
+
+def test_gpu_host_refuses_an_unknown_edge_key(tmp_path, models, keys):
+    port = free_port()
+    with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):
+        with run_server(tmp_path, edge_config(models, keys, port, client="stranger"), role="edge",
+                        states=("degraded",)) as edge, edge.client() as c:
+            time.sleep(1.5)
+            gpu = next(p for p in c.health()["processes"] if p["role"] == "gpu")
+            assert gpu["state"] == "unreachable"
+            with pytest.raises(ServerError) as err:
+                c.composite("a", AUDIO)
+            assert err.value.code == "unavailable"
+        stranger = (keys / "stranger.key").read_text().split('public-key = "')[1].split('"')[0]
+        assert f"refused a client with unknown CURVE key {stranger}" in gpu_log.read_text()
+
+
+def test_tenants_reach_only_their_models(tmp_path, models, keys):
+    curve = {"secret_key": str(keys / "server.key_secret"), "tenants": {
+        "alice": {"keys": [str(keys / "alice.key")], "models": ["a"]},
+        "bob": {"keys": [str(keys / "bob.key")], "models": ["*"]}}}
+    alice = curve_keys(str(keys / "alice.key_secret"), str(keys / "server.key"))
+    bob = curve_keys(str(keys / "bob.key_secret"), str(keys / "server.key"))
+    stranger = curve_keys(str(keys / "stranger.key_secret"), str(keys / "server.key"))
+    with run_server(tmp_path, base_config(models, **{"frontend.curve": curve}), curve=alice) as srv:
+        with srv.client() as c:
+            assert [m["id"] for m in c.models()] == ["a"]
+            assert c.composite("a", AUDIO)[0]["ok"]
+            with pytest.raises(ServerError) as err:
+                c.composite("b", AUDIO)
+            assert err.value.code == "forbidden" and "tenant alice" in err.value.message
+            with pytest.raises(ServerError) as err:
+                c.load("slow")
+            assert err.value.code == "forbidden"
+        with srv.client(curve=bob) as c:
+            assert {m["id"] for m in c.models()} == {"a", "b", "slow"}
+            assert c.composite("b", AUDIO)[0]["ok"]
+        with srv.client(curve=stranger, timeout_s=2) as c, pytest.raises(ClientTimeout):
+            c.health()  # refused at the CURVE handshake: no request gets through
+        with srv.client(curve=None, timeout_s=2) as c, pytest.raises(ClientTimeout):
+            c.health()
+        assert "refused a client with unknown CURVE key" in srv.log.read_text()
