@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving] [--seconds S] [--frames N]
+"""python -m bench [all|compositing|serving|bridge] [--seconds S] [--frames N]
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,7 +17,7 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
@@ -36,6 +36,9 @@ def main() -> int:
     if args.what in ("all", "serving"):
         from bench import serving
         results["serving"] = serving.run(models_dir, args.seconds)
+    if args.what in ("all", "bridge"):
+        from bench import bridge
+        results["bridge"] = bridge.run()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -199,3 +199,24 @@ def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role:
             assert code == 0, f"server exited with {code} on SIGTERM:\n{log.read_text()[-3000:]}"
         else:
             server.assert_clean()
+
+
+@contextmanager
+def gpu_host(tmp_path: Path, config: dict):
+    """A `--role gpu` supervisor; ready once it prints its summary."""
+    cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    log = cfg.with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "role gpu: serving" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0, log.read_text()[-3000:]

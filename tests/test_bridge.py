@@ -9,16 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from frontend.client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
 from tests.conftest import TEST_PREFIX
-from tests.helpers import ROOT, base_config, decode_image, expected_frames, free_port, make_avatar, run_server
+from tests.helpers import ROOT, base_config, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
 AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.float32)
@@ -53,27 +51,6 @@ def edge_config(models: Path, keys: Path, port: int, client: str = "edge", **ext
     return base_config(models, **{"shm.prefix": TEST_PREFIX + "e", "bridge": {
         "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
         "client_secret_key": str(keys / f"{client}.key_secret"), "heartbeat_s": 0.2, "dead_after_s": 0.8}}, **extra)
-
-
-@contextmanager
-def gpu_host(tmp_path: Path, config: dict):
-    """A `--role gpu` supervisor; ready once it prints its summary."""
-    cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
-    cfg.write_text(yaml.safe_dump(config))
-    log = cfg.with_suffix(".log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while "role gpu: serving" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-    try:
-        yield proc, log
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0, log.read_text()[-3000:]
 
 
 def _remote_ready(client: Client, timeout_s: float = 30) -> dict:
