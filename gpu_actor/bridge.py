@@ -28,10 +28,11 @@ import numpy as np
 import zmq
 
 from config import Config
+from gpu_actor.worker import hand_off
 from shm.child import child_main
 from shm.curve import make_client, make_server, public_keys_in, start_authenticator
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong,
+from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong,
                           ProcessEvent, ReleaseTask, ResetRequests, Shutdown, StatsQuery, StatsReport, UnloadModel,
                           decode, encode)
 from shm.ring import RingError, SlotRing
@@ -187,11 +188,7 @@ class RemoteWorker:
         ref = self.outputs.ref(slot, 0, "float32", shape)
         self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
                                                queue_ms=msg.queue_ms, inference_ms=msg.inference_ms)))
-        for chunk in task.plan:
-            self.to_cpu[chunk.compositor].send(encode(CompositeTask(
-                req=task.req, model=task.model, worker=self.index, mouths=ref, start=chunk.start, end=chunk.end,
-                frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-                deadline=task.deadline)))
+        hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:
         if self.tasks.poll(int(remaining_s * 1000) + 1):

@@ -25,7 +25,7 @@ from shm.child import child_main
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
                           ResetRequests, Shutdown, StatsQuery, StatsReport, UnloadModel, decode, encode)
-from shm.ring import RingError, SlotRing, StaleHandle
+from shm.ring import RingError, SlotRing, StaleHandle, TensorRef
 from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -213,11 +213,7 @@ class InferenceWorker:
         self.registry.stat(task.model).infer_ms.append(inference_ms)
         ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
         self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms)
-        for chunk in task.plan:
-            self.to_cpu[chunk.compositor].send(encode(CompositeTask(
-                req=task.req, model=task.model, worker=self.index, mouths=ref, start=chunk.start, end=chunk.end,
-                frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-                deadline=task.deadline)))
+        hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:
         """While every output slot is taken, keep handling messages: a ReleaseTask frees one."""
@@ -236,6 +232,15 @@ class InferenceWorker:
         build_visual(crops, visual)
         return visual
 
+
+
+def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:
+    """Send each chunk of a finished batch to the compositing process the frontend planned for it."""
+    for chunk in task.plan:
+        to_cpu[chunk.compositor].send(encode(CompositeTask(
+            req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
+            frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
+            deadline=task.deadline)))
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

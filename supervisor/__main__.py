@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         sup.start()
+        for warning in sup.warnings():
+            logging.getLogger("supervisor").warning("%s", warning)
         print(sup.summary(), flush=True)
         return sup.serve()
     except StartError as err:

@@ -277,6 +277,18 @@ class Supervisor:
         self.ctx.destroy(linger=0)
         self._cleanup()
 
+    def warnings(self) -> list[str]:
+        cfg, out = self.config, []
+        if self.role != "gpu" and cfg.frontend.curve is None:
+            exposed = [e for e in cfg.frontend.bind if e.startswith("tcp://") and not
+                       any(h in e for h in ("://127.", "://localhost", "://[::1]"))]
+            if exposed:
+                out.append(f"frontend.bind {exposed} is not loopback and frontend.curve is off: any client that "
+                           "reaches it can use every model (docs/security.md)")
+        if self.role == "gpu" and not cfg.bridge.secret_key:
+            out.append("bridge.secret_key is not set: the bridge is plaintext and accepts any edge (docs/security.md)")
+        return out
+
     def summary(self) -> str:
         cfg = self.config
         workers = ", ".join(f"gpu{i}={d}" for i, d in enumerate(self.run.devices))
