@@ -166,3 +166,22 @@ def test_sigterm_finishes_in_flight_work_and_leaves_nothing(models, tmp_path):
         assert header["ok"] and len(images) == 4  # accepted work was finished, not dropped
         assert srv.proc.wait(60) == 0
     # run_server's exit checks: no child process and no /dev/shm entry of the run remain.
+
+
+def test_loading_a_model_does_not_stall_other_models(models, tmp_path):
+    """A load runs off the request path: the loaded model keeps being served meanwhile."""
+    with run_server(tmp_path, base_config(models)) as srv:
+        with srv.client() as c:
+            c.load("fast")
+
+        async def main():
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+                load = asyncio.create_task(client.request("load", model="slow"))
+                served_during_load = 0
+                while not load.done():
+                    header, _ = await client.composite("fast", np.zeros((1, 32, 16, 16), np.float32))
+                    served_during_load += not load.done()
+                await load
+                return served_during_load
+
+        assert asyncio.run(main()) >= 2

@@ -177,3 +177,17 @@ def test_broken_model_fails_alone(ten_models):
     out = np.empty((1, 3, 320, 320), np.float32)
     reg.loaded["m0"].runner.run(visual, feats, out)  # still serving
     reg.close()
+
+
+def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
+    events = []
+    reg = Registry("cpu", 5, 0, "lru", 0.2, 1, False, ten_models.get, lambda m, e, ms, b: events.append((m, e)),
+                   lambda: None)
+    for name in ("m0", "m1"):
+        _load(reg, name)
+    reg.busy["m1"] += 1
+    reg.unload_idle(time.monotonic() + 0.1)
+    assert set(reg.loaded) == {"m0", "m1"}   # not idle long enough yet
+    reg.unload_idle(time.monotonic() + 1.0)
+    assert set(reg.loaded) == {"m1"} and ("m0", "unloaded") in events
+    reg.close()
