@@ -73,7 +73,10 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
             logging.getLogger(role).error("%s", traceback.format_exc())
             supervisor.send(encode(Fatal(role=role, index=index, pid=os.getpid(), message=message)))
             supervisor.close(linger=1000)  # NOTE: give the Fatal report time to leave
-            raise SystemExit(1) from None
+            # NOTE: exit now: sockets a half-built actor opened (e.g. through an asyncio shadow context)
+            # are unknown to ctx.destroy(), whose term() would then wait for them forever.
+            logging.shutdown()
+            os._exit(1)
         raise
     finally:
         if actor is not None:
