@@ -191,3 +191,15 @@ def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
     reg.unload_idle(time.monotonic() + 1.0)
     assert set(reg.loaded) == {"m1"} and ("m0", "unloaded") in events
     reg.close()
+
+
+def test_model_io_is_read_without_decoding_weights_and_ignores_initializer_inputs(tmp_path):
+    from onnx import helper
+    model = build_model("tiny", "hubert", batch=4, visual_name="image")
+    # Old exporters (IR < 4) list every weight among the graph inputs too.
+    for init in model.graph.initializer:
+        model.graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    path = tmp_path / "old.onnx"
+    onnx.save(model, str(path))
+    io = read_model_io(path)
+    assert (io.visual, io.audio, io.audio_shape, io.batch) == ("image", "audio", (32, 32, 32), 4)
