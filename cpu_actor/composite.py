@@ -12,12 +12,13 @@ import cv2
 import numpy as np
 import simplejpeg
 
+from config.assets import INNER
+
 try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
     from fpng import fpng_ext as _fpng
 except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux only
     _fpng = None
 
-INNER = slice(4, 324)
 _255 = np.float32(255)
 
 

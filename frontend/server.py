@@ -127,7 +127,6 @@ class Frontend:
         self._ids = itertools.count(1)
         self._rr = itertools.count()
         self._stopping = False
-        self.started = time.monotonic()
         lim = config.limits
         self.tenants = self._tenants(ctx)
         self.clients = []
@@ -146,6 +145,7 @@ class Frontend:
             ring.become_writer()   # the frontend is the one writer of every input ring
             self.workers.append(Worker(i, run.devices[i], ring, make_socket(self.ctx, zmq.PUSH, connect=addr)))
         self.compositors = [Proc() for _ in run.endpoints.cpu]
+        self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.metrics.serve(config.metrics.host, config.metrics.port)
 
     def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
@@ -182,7 +182,7 @@ class Frontend:
             sock.close(linger=0)
         for worker in self.workers:
             worker.ring.close()
-        for ring in getattr(self, "_outputs", []):
+        for ring in self.outputs:
             ring.close()
 
     async def _main(self) -> None:
@@ -458,7 +458,7 @@ class Frontend:
 
     def _reply_infer(self, p: Pending, worker: Worker, msg: InferDone) -> None:
         # Read the mouths straight from the worker's output ring; copied into the reply frames.
-        ring = self._output_ring(worker.index)
+        ring = self.outputs[worker.index]
         try:
             mouths = ring.read(msg.output)
             data = [mouths[i].tobytes() for i in range(p.header.batch)]
@@ -471,12 +471,6 @@ class Frontend:
                                        worker=P.WorkerInfo(device=worker.device, index=worker.index)))
         self.metrics.frames.labels(p.spec.id).inc(p.header.batch)
         self._finish(p, header, data)
-
-    def _output_ring(self, index: int) -> SlotRing:
-        rings = getattr(self, "_outputs", None)
-        if rings is None:
-            rings = self._outputs = [SlotRing.attach(s) for s in self.run_spec.output_rings]
-        return rings[index]
 
     def _composite_done(self, msg: CompositeDone, data: list) -> None:
         p = self.requests.get(msg.req)

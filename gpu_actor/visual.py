@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-INNER = slice(4, 324)
+from config.assets import INNER
+
 MASK_ROWS, MASK_COLS = slice(5, 310), slice(5, 315)
 _255 = np.float32(255)
 

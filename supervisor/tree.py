@@ -23,6 +23,7 @@ import zmq
 from config import Config
 from cpu_actor.worker import run_cpu_process
 from frontend.server import run_frontend_process
+from frontend.validate import VISUAL_BYTES
 from gpu_actor.bridge import run_bridge_process, run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
@@ -32,7 +33,6 @@ from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
 
 log = logging.getLogger("supervisor")
-VISUAL_BYTES = 6 * 320 * 320 * 4
 MOUTH_BYTES = 3 * 320 * 320 * 4
 ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process,
                                 "bridge": run_bridge_process, "remote": run_remote_worker_process}
