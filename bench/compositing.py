@@ -22,7 +22,7 @@ from config.assets import AvatarAssets, ModelPaths, crop_328, load_assets
 from cpu_actor.composite import encode, mouth_to_uint8, paste
 from cpu_actor.worker import run_cpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, Ready, decode, encode as encode_msg
+from shm.messages import CompositeDone, CompositeTask, Ready, ReleaseImages, decode, encode as encode_msg
 from shm.ring import RingSpec, SlotRing
 from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
@@ -58,7 +58,9 @@ class CompositingProcess:
         self.store = BackgroundStore.create(store_spec(prefix, self.run_dir, 256 * 1024 * 1024, assets.width,
                                                        assets.height, "lru"))
         endpoints = Endpoints.in_dir(self.run_dir, 0, 1)
-        run = RunSpec(prefix, self.run_dir, endpoints, (), (spec,), self.store.spec, ())
+        self.images = SlotRing.create(RingSpec.for_bytes(f"{prefix}-img0", 2, BATCH * assets.width * assets.height * 3),
+                                      populate=False)
+        run = RunSpec(prefix, self.run_dir, endpoints, (), (spec,), self.store.spec, (), (self.images.spec,))
         self.ctx = zmq.Context()
         supervisor = make_socket(self.ctx, zmq.PULL, bind=endpoints.supervisor)
         self.inbox = make_socket(self.ctx, zmq.PULL, bind=endpoints.frontend)
@@ -79,8 +81,13 @@ class CompositingProcess:
         self.to_cpu.send(encode_msg(CompositeTask(req=self._n, model=self.model_id, worker=0, mouths=self.ref,
                                                   start=0, end=BATCH, frames=indices, format=fmt, quality=75,
                                                   deadline=0.0)))
+        if not self.inbox.poll(30_000):
+            raise RuntimeError("the compositing process did not answer")
         header = decode(self.inbox.recv_multipart(copy=False)[0].buffer)
         assert isinstance(header, CompositeDone) and header.ok, header
+        if header.images is not None:  # raw: the frames are in our image ring; hand the slot back
+            self.images.read(header.images)
+            self.to_cpu.send(encode_msg(ReleaseImages(req=header.req)))
         return header.composite_ms
 
     def measure(self, fmt: str, frames: int) -> tuple[float, float]:
@@ -96,6 +103,7 @@ class CompositingProcess:
         self.proc.join(10)
         self.ctx.destroy(linger=0)
         self.ring.close(unlink=True)
+        self.images.close(unlink=True)
         self.store.close(unlink=True)
 
 

@@ -4,12 +4,17 @@ Per task (frames [start, end) of one batch): convert the mouths to uint8 first, 
 generation (a slot freed by a timeout must not be composited as someone else's frames), then fetch
 each background and crop from the shared store (decoding on a miss), paste, encode, and send the
 encoded frames to the frontend in one multipart message.
+
+Raw frames are composited straight into a slot of this process's image ring (the background copy
+that compositing needs anyway lands there): the frontend sends them to the client from shared memory
+without a copy and returns the slot with ReleaseImages once ZeroMQ is done with the bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import cv2
 import zmq
@@ -19,9 +24,9 @@ from config.assets import AssetCache, AssetError
 from cpu_actor.composite import encode, mouth_to_uint8, paste
 from shm.child import child_main
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, Shutdown, decode
+from shm.messages import CompositeDone, CompositeTask, ReleaseImages, ResetRequests, Shutdown, decode
 from shm.messages import encode as encode_msg
-from shm.ring import RingError, SlotRing, StaleHandle
+from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,9 @@ class Compositor:
         self.tasks = make_socket(ctx, zmq.PULL, bind=run.endpoints.cpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=run.endpoints.frontend)
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
+        self.images = SlotRing.attach(run.image_rings[index], populate=False)
+        self.images.become_writer()
+        self.backlog: deque[CompositeTask] = deque()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self._stopping = False
@@ -45,7 +53,7 @@ class Compositor:
         self._stopping = True
 
     def close(self) -> None:
-        for ring in self.mouth_rings.values():
+        for ring in [*self.mouth_rings.values(), self.images]:
             ring.close()
         self.store.close()
 
@@ -62,14 +70,27 @@ class Compositor:
 
     def run(self) -> None:
         while not self._stopping:
-            if not self.tasks.poll(0 if self._preload is not None else 1000):
+            if self.backlog:
+                self._composite(self.backlog.popleft())
+            elif self.tasks.poll(0 if self._preload is not None else 1000):
+                self._dispatch(decode(self.tasks.recv()))
+            else:
                 self._preload_one()
-                continue
-            msg = decode(self.tasks.recv())
-            if isinstance(msg, CompositeTask):
-                self._composite(msg)
-            elif isinstance(msg, Shutdown):
-                return
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, CompositeTask):
+            self.backlog.append(msg)
+        elif isinstance(msg, ReleaseImages):
+            self.images.release_request(msg.req)
+        elif isinstance(msg, ResetRequests):
+            self.images.become_writer()  # a new frontend: nothing it holds is ours any more
+        elif isinstance(msg, Shutdown):
+            self._stopping = True
+
+    def _wait_for_release(self, remaining_s: float) -> None:
+        """Every image slot is out with the frontend: keep taking messages until one comes back."""
+        if self.tasks.poll(int(remaining_s * 1000) + 1):
+            self._dispatch(decode(self.tasks.recv()))
 
     def _preload_one(self) -> None:
         """Decode one preload frame between tasks, so preloading delays a request by one decode at most."""
@@ -101,23 +122,40 @@ class Compositor:
             mouths_u8 = [mouth_to_uint8(m) for m in mouths]
             ring.verify(task.mouths)
             assets = self.assets.get(task.model)
+            targets, images = self._targets(task, assets.height, assets.width)
             encoded, hits = [], 0
-            for frame, mouth in zip(task.frames, mouths_u8):
-                background, crop, hit = self.store.fetch(task.model, frame, lambda f=frame: assets.decode(f))
+            for i, (frame, mouth) in enumerate(zip(task.frames, mouths_u8)):
+                background, crop, hit = self.store.fetch(task.model, frame, lambda f=frame: assets.decode(f),
+                                                         out=None if targets is None else targets[i])
                 hits += hit
                 image = paste(background, crop, mouth, assets.rects[frame])
-                encoded.append(encode(image, task.format, task.quality))
+                if targets is None:
+                    encoded.append(encode(image, task.format, task.quality))
         except StaleHandle as err:
+            self.images.release_request(task.req)
             self._reply(task, code="timeout", message=f"request was cancelled before compositing ({err})")
             return
         except (AssetError, StoreError) as err:
+            self.images.release_request(task.req)
             self._reply(task, code="bad_request", message=str(err))
+            return
+        except RingFull as err:
+            self._reply(task, code="timeout", message=str(err))
             return
         except RingError as err:
             self._reply(task, code="internal", message=str(err))
             return
         self._reply(task, encoded, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
-                    height=assets.height, hits=hits, misses=len(encoded) - hits)
+                    height=assets.height, hits=hits, misses=len(task.frames) - hits, images=images)
+
+    def _targets(self, task: CompositeTask, height: int, width: int):
+        """Raw format: (writable frames in an image slot, their handle); else (None, None)."""
+        if task.format != "raw":
+            return None, None
+        shape = (len(task.frames), height, width, 3)
+        timeout = max(task.deadline - time.monotonic(), 0.001) if task.deadline else 30.0
+        slot = self.images.acquire(task.req, timeout, self._wait_for_release, setting="shm.slots")
+        return self.images.writable(slot, 0, "uint8", shape), self.images.ref(slot, 0, "uint8", shape)
 
 
 

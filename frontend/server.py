@@ -33,12 +33,13 @@ from shm.child import child_main
 from shm.curve import load_public, make_server, start_authenticator
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (Chunk, CompositeDone, InferDone, InferTask, LoadDone, LoadModel, ModelEvent,
-                          ProcessEvent, ReleaseTask, StatsQuery, StatsReport, UnloadModel, decode, encode)
+                          ProcessEvent, ReleaseImages, ReleaseTask, StatsQuery, StatsReport, UnloadModel, decode, encode)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
 STATS_TIMEOUT_S = 2.0
 STATE_SYNC_TIMEOUT_S = 5.0
+TRACKER_POLL_S = 0.002
 AUDIO_ALIGN = 64
 
 
@@ -86,6 +87,7 @@ class Pending:
     width: int = 0
     height: int = 0
     waiting_on: set[int] = field(default_factory=set)      # workers a multi-worker op still waits for
+    image_slots: set[int] = field(default_factory=set)     # compositors holding raw frames for it
     results: list = field(default_factory=list)
 
 
@@ -146,6 +148,8 @@ class Frontend:
             self.workers.append(Worker(i, run.devices[i], ring, make_socket(self.ctx, zmq.PUSH, connect=addr)))
         self.compositors = [Proc() for _ in run.endpoints.cpu]
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
+        self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
+        self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
         self.metrics.serve(config.metrics.host, config.metrics.port)
 
     def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
@@ -172,13 +176,15 @@ class Frontend:
         self._stopping = True
 
     def close(self) -> None:
+        for ring in self.images:
+            ring.close()
         if getattr(self, "auth", None) is not None:
             self.auth.stop()
         # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
         # does not know them: close each here, or the context's term() blocks forever.
         for sock in self.clients:
             sock.close(linger=1000)  # let the last replies leave
-        for sock in [self.pull, *(w.sock for w in self.workers)]:
+        for sock in [self.pull, *(w.sock for w in self.workers), *self.to_cpu]:
             sock.close(linger=0)
         for worker in self.workers:
             worker.ring.close()
@@ -224,8 +230,36 @@ class Frontend:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _send(self, client: Client, header: bytes, data: list = ()) -> None:
-        client.sock.send_multipart([*client.envelope, header, *data], copy=False)
+    def _send(self, client: Client, header: bytes, data: list = (), track: bool = False):
+        envelope = client.envelope
+        if track:  # NOTE: pyzmq cannot track a message that resends received (untracked) frames
+            envelope = [f.bytes if isinstance(f, zmq.Frame) else f for f in envelope]
+        return client.sock.send_multipart([*envelope, header, *data], copy=False, track=track)
+
+    def _release_images(self, req: int, compositors) -> None:
+        for j in compositors:
+            self.to_cpu[j].send(encode(ReleaseImages(req=req)))
+
+    def _release_when_sent(self, sent, req: int, compositors: set[int]) -> None:
+        """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
+        has let go of the bytes (its MessageTracker), not before."""
+        loop = asyncio.get_running_loop()
+
+        def check(tracker) -> None:
+            if tracker.done:
+                self._release_images(req, compositors)
+            else:
+                loop.call_later(TRACKER_POLL_S, check, tracker)
+
+        def on_sent(future) -> None:
+            if future.cancelled() or future.exception() is not None:
+                if not future.cancelled():
+                    log.error("sending raw frames of request %d failed: %r", req, future.exception())
+                self._release_images(req, compositors)
+            else:
+                check(future.result())
+
+        sent.add_done_callback(on_sent)
 
     def _error(self, client: Client, request_id, code: P.ErrorCode | str, message: str) -> None:
         self._send(client, P.error_reply(request_id, P.ErrorCode(code), message))
@@ -239,6 +273,9 @@ class Frontend:
             p.timer.cancel()
         if code is not None:
             self._error(p.client, p.header.id, code, message)
+            self._release_images(p.req, p.image_slots)
+        elif p.image_slots:
+            self._release_when_sent(self._send(p.client, header, data, track=True), p.req, p.image_slots)
         else:
             self._send(p.client, header, data)
         self.metrics.requests.labels(p.op.value, p.header.model or "", code or "ok").inc()
@@ -475,8 +512,14 @@ class Frontend:
     def _composite_done(self, msg: CompositeDone, data: list) -> None:
         p = self.requests.get(msg.req)
         if p is None or msg.start not in p.chunks:
+            if msg.images is not None:  # the request ended first: its raw frames are not wanted
+                self._release_images(msg.req, [msg.compositor])
             return
         del p.chunks[msg.start]
+        if msg.images is not None:
+            p.image_slots.add(msg.compositor)
+            frames = self.images[msg.compositor].read(msg.images)
+            data = [frames[i] for i in range(len(frames))]
         if not msg.ok:
             self._finish(p, code=msg.code, message=msg.message)
             return

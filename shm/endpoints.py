@@ -48,7 +48,8 @@ class RunSpec(msgspec.Struct, frozen=True):
     input_rings: tuple[RingSpec, ...]    # per inference worker; written by the frontend
     output_rings: tuple[RingSpec, ...]   # per inference worker; written by that worker
     store: StoreSpec
-    devices: tuple[str, ...]             # per inference worker: "cpu" or "cuda:N"
+    devices: tuple[str, ...]             # per inference worker: "cpu", "cuda:N" or "remote:<endpoint>"
+    image_rings: tuple[RingSpec, ...] = ()   # per compositing process: raw frames; written by it
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,

@@ -114,6 +114,13 @@ class CompositeDone(_Msg):
     height: int = 0
     hits: int = 0
     misses: int = 0
+    images: Optional[TensorRef] = None   # raw format: uint8 [n, h, w, 3] in the compositor's image ring
+
+
+class ReleaseImages(_Msg):
+    """Frontend -> compositing process: the raw frames of request `req` have left; free their slot."""
+
+    req: int
 
 
 class LoadDone(_Msg):
@@ -189,7 +196,7 @@ class Pong(_Msg):
 
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
-    CompositeDone, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown, Ping, Pong,
+    CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown, Ping, Pong,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -124,20 +124,25 @@ class BackgroundStore:
     # -- the one entry point ----------------------------------------------------------------------
 
     def fetch(self, model_id: str, frame: int, loader: Loader, want_background: bool = True,
-              timeout_s: float = 60.0) -> tuple[np.ndarray | None, np.ndarray, bool]:
+              timeout_s: float = 60.0, out: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray, bool]:
         """(background copy or None, crop copy, hit) for a model's frame; on a miss `loader()` decodes
-        it (in this process) and the result is shared with every other process."""
+        it (in this process) and the result is shared with every other process. With `out`, the
+        background is copied into it (and returned) instead of into a new array."""
         key = model_key(model_id)
         deadline = time.monotonic() + timeout_s
         while True:
             action, slot, gen = self._claim(key, frame)
             if action == "read":
-                out = self._copy(slot, want_background)
+                background, crop = self._copy(slot, want_background, out)
                 if int(self._table[slot]["gen"]) == gen:
-                    return out[0], out[1], True
+                    return background, crop, True
                 continue  # evicted while we copied: look again
             if action == "load":
-                return self._load(slot, key, frame, loader, want_background)
+                background, crop, hit = self._load(slot, key, frame, loader, want_background)
+                if out is not None and background is not None:
+                    out[...] = background
+                    background = out
+                return background, crop, hit
             if time.monotonic() > deadline:
                 raise StoreError(f"frame {frame} of model {model_id} stayed LOADING for {timeout_s:.0f}s "
                                  "in another process; is its storage slow?")
@@ -203,10 +208,17 @@ class BackgroundStore:
             self._decodes[0] += 1
         return (background if want_background else None), crop, False
 
-    def _copy(self, slot: int, want_background: bool):
+    def _copy(self, slot: int, want_background: bool, out: np.ndarray | None = None):
         h, w = int(self._table["h"][slot]), int(self._table["w"][slot])
         row = self._data[slot]
-        background = row[: h * w * 3].reshape(h, w, 3).copy() if want_background else None
+        background = None
+        if want_background:
+            stored = row[: h * w * 3].reshape(h, w, 3)
+            if out is None:
+                background = stored.copy()
+            else:
+                out[...] = stored
+                background = out
         crop = row[h * w * 3: h * w * 3 + CROP_BYTES].reshape(328, 328, 3).copy()
         return background, crop
 

@@ -111,6 +111,7 @@ class Supervisor:
         self.inbox = make_socket(self.ctx, zmq.PULL, bind=self.run.endpoints.supervisor)
         self.to_frontend = make_socket(self.ctx, zmq.PUSH, connect=self.run.endpoints.frontend)
         self.to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.gpu]
+        self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.cpu]
         self.children = ([Child("gpu", i) for i in range(len(self.run.devices))]
                          + [Child("cpu", i) for i in range(len(self.run.endpoints.cpu))]
                          + [Child("bridge" if role == "gpu" else "frontend", 0)])
@@ -137,8 +138,13 @@ class Supervisor:
                            comp.eviction)
         self._created.append(BackgroundStore.create(store))
         n_cpu = comp.resolved_workers() if self.role != "gpu" else 0
+        # Raw frames are composited into these; sparse (not pre-faulted): only raw requests touch them.
+        image_bytes = lim.max_batch * comp.max_frame_width * comp.max_frame_height * 3
+        images = tuple(RingSpec.for_bytes(f"{prefix}-img{j}", cfg.shm.slots, image_bytes) for j in range(n_cpu))
+        for spec in images:
+            self._created.append(SlotRing.create(spec, populate=False))
         self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu),
-                           inputs, outputs, store, tuple(devices))
+                           inputs, outputs, store, tuple(devices), images)
 
     def _cleanup(self) -> None:
         for obj in self._created:
@@ -207,7 +213,7 @@ class Supervisor:
             child.state = "ready"
             log.info("%s ready (pid %d)", child.name, msg.pid)
             if child.role in ("frontend", "bridge") and child.restarts:
-                for sock in self.to_gpu:
+                for sock in self.to_gpu + self.to_cpu:
                     sock.send(encode(ResetRequests()))
                 for other in self.children:
                     self._event(other)

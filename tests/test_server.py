@@ -225,3 +225,19 @@ def test_prometheus_metrics(server):
         assert name in body, name
     assert 'lipsync_requests_total{model="a",op="composite",outcome="ok"}' in body
     assert 'stage="inference"' in body and 'stage="composite"' in body
+
+
+def test_raw_frames_return_their_image_slots(server):
+    """Raw frames leave from the compositors' image rings (2 slots each here): many more requests than
+    slots, in a row and at once, all succeed only if every slot comes back."""
+    audio = np.zeros((3, 32, 16, 16), np.float32)
+    with server.client() as c:
+        for k in range(6):
+            header, images = c.composite("a", audio, start_frame=k, format="raw")
+            assert len(images) == 3 and len(images[0]) == SIZE[0] * SIZE[1] * 3
+
+    async def burst():
+        async with AsyncClient(server.endpoint) as client:
+            return await asyncio.gather(*(client.composite("a", audio, start_frame=k, format="raw") for k in range(12)))
+
+    assert all(len(images) == 3 for _, images in asyncio.run(burst()))
