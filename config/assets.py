@@ -52,6 +52,9 @@ def model_paths(config: Config, model_id: str) -> Optional[ModelPaths]:
     if not valid_model_id(model_id):
         return None
     entry = config.models.get(model_id)
+    if isinstance(entry, str):  # a directory laid out like one under models_dir
+        root = resolve_path(config, entry)
+        return ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json")
     if entry is not None:
         return ModelPaths(model_id, resolve_path(config, entry.onnx), resolve_path(config, entry.frames),
                           resolve_path(config, entry.crop_rects), entry.frame_order)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import msgspec.inspect as mi
@@ -34,12 +34,11 @@ def _resolve_hidden_keys(data: Any, parts: list) -> list[str | int]:
     t: Any = mi.type_info(Config)
     for part in parts:
         if part is ... and isinstance(data, dict) and isinstance(_schema_at(t, resolved), mi.DictType):
-            value_type = _schema_at(t, resolved).value_type
-            cls = getattr(value_type, "cls", None)
+            python_type = _python_type(_schema_at(t, resolved).value_type)
             for key, value in data.items():
                 try:
-                    if cls is not None:
-                        msgspec.convert(value, cls, strict=True)
+                    if python_type is not None:
+                        msgspec.convert(value, python_type, strict=True)
                 except msgspec.ValidationError:
                     part = key
                     break
@@ -60,11 +59,27 @@ def _lookup(data: Any, parts: list[str | int]) -> tuple[bool, Any]:
     return True, data
 
 
+def _python_type(t: mi.Type) -> Any:
+    """The Python type to validate one mapping value with (structs and strings are all we use)."""
+    members = t.types if isinstance(t, mi.UnionType) else (t,)
+    types = [m.cls if isinstance(m, mi.StructType) else str if isinstance(m, mi.StrType) else None for m in members]
+    if None in types:
+        return None
+    return Union[tuple(types)] if len(types) > 1 else types[0]
+
+
+def _container(t: mi.Type, part) -> mi.Type:
+    """The member of a union that `part` (a key or an index) can step into."""
+    if not isinstance(t, mi.UnionType):
+        return t
+    kinds = (mi.VarTupleType, mi.ListType) if isinstance(part, int) else (mi.StructType, mi.DictType)
+    return next((u for u in t.types if isinstance(u, kinds)), t)
+
+
 def _schema_at(t: mi.Type, parts: list[str | int]) -> mi.Type | None:
     """The schema type of the value at `parts`, following structs, lists and mappings."""
     for part in parts:
-        if isinstance(t, mi.UnionType):
-            t = next((u for u in t.types if not isinstance(u, (mi.LiteralType, mi.NoneType))), t)
+        t = _container(t, part)
         if isinstance(t, mi.StructType):
             t = next((f.type for f in t.fields if f.name == part), None)
         elif isinstance(t, (mi.VarTupleType, mi.ListType)):

@@ -135,7 +135,8 @@ class Config(_Section):
     frontend: FrontendConfig = FrontendConfig()
     metrics: MetricsConfig = MetricsConfig()
     models_dir: Union[str, None] = None
-    models: dict[ModelId, ModelEntry] = {}
+    # id -> a directory in the models_dir layout, or explicit file paths
+    models: dict[ModelId, Union[str, ModelEntry]] = {}
     limits: LimitsConfig = LimitsConfig()
     inference: InferenceConfig = InferenceConfig()
     compositing: CompositingConfig = CompositingConfig()

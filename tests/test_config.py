@@ -50,6 +50,7 @@ def test_default_yaml_is_exactly_the_schema_defaults_and_documents_every_key():
     ("inference:\n  devices: [0, gpu]\n", "inference.devices.1: expected an integer >= 0, got 'gpu'"),
     ("models:\n  ../x: {onnx: a, frames: b, crop_rects: c}\n", "models: key '../x' is not valid"),
     ("models:\n  alice: {onnx: a}\n", "models.alice.frames: required key is missing"),
+    ("models:\n  alice: 5\n", "models.alice: expected a string or a mapping, got 5"),
     ("output:\n  quality: 101\n", "output.quality: expected an integer >= 1 and <= 100, got 101"),
     ("- just\n- a list\n", "expected a mapping at the top level"),
     ("inference: {devices: [0\n", "not valid YAML"),
@@ -86,3 +87,19 @@ def test_check_config_cli(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "supervisor", "--config", str(tmp_path / "nope.yaml")],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "cannot read the config file" in missing.stderr
+
+
+def test_models_entries_as_a_directory_or_explicit_paths(tmp_path):
+    from config.assets import list_model_ids, model_paths
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"models": {
+        "bob": "avatars/bob",
+        "alice": {"onnx": "a/unet.onnx", "frames": "a/frames", "crop_rects": "a/rects.json", "frame_order": "loop"}}}))
+    cfg = load_config(path)
+    assert list_model_ids(cfg) == ["alice", "bob"]
+    bob = model_paths(cfg, "bob")
+    assert (bob.onnx, bob.frames, bob.crop_rects) == (tmp_path / "avatars/bob/model.onnx", tmp_path / "avatars/bob/frames",
+                                                      tmp_path / "avatars/bob/crop_rects.json")
+    alice = model_paths(cfg, "alice")
+    assert (alice.onnx, alice.frame_order) == (tmp_path / "a/unet.onnx", "loop")
+    assert model_paths(cfg, "../etc") is None and model_paths(cfg, "nobody") is None
