@@ -13,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import zmq
@@ -25,96 +22,23 @@ import zmq.asyncio
 
 from config import Config, resolve_path
 from config.assets import frame_index
+from frontend import control
 from frontend import protocol as P
 from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.metrics import Metrics
-from frontend.validate import VISUAL_BYTES, RequestError, Tensors, check_request, check_tensors, parse_header
+from frontend.state import Client, Pending, Proc, Tenant, Worker
+from frontend.validate import VISUAL_BYTES, RequestError, check_request, check_tensors, parse_header
 from shm.child import child_main
 from shm.curve import load_public, make_server, start_authenticator
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import (Chunk, CompositeDone, InferDone, InferTask, LoadDone, LoadModel, ModelEvent,
-                          ProcessEvent, ReleaseImages, ReleaseTask, StatsQuery, StatsReport, UnloadModel, decode, encode)
+from shm.messages import (Chunk, CompositeDone, InferDone, InferTask, LoadDone, ModelEvent, ProcessEvent,
+                          ReleaseImages, ReleaseTask, StatsReport, decode, encode)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
-STATS_TIMEOUT_S = 2.0
 STATE_SYNC_TIMEOUT_S = 5.0
 TRACKER_POLL_S = 0.002
 AUDIO_ALIGN = 64
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("lipsync-serve")
-    except Exception:
-        return "0.0.0"
-
-
-@dataclass(frozen=True)
-class Tenant:
-    name: str
-    models: Optional[frozenset]    # None: every model
-
-    def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
-
-
-@dataclass
-class Client:
-    sock: Any                      # the ROUTER socket the request came in on
-    envelope: list                 # routing id(s) + empty delimiter, sent back as is
-    tenant: Optional["Tenant"] = None
-
-
-@dataclass
-class Pending:
-    req: int
-    op: P.Op
-    header: P.RequestHeader
-    client: Client
-    t0: float
-    timer: Optional[asyncio.TimerHandle] = None
-    worker: Optional[int] = None
-    spec: Optional[ModelSpec] = None
-    tensors: Optional[Tensors] = None
-    frames: list[int] = field(default_factory=list)
-    in_slot: bool = False          # holds an input slot of its worker
-    dispatched: float = 0.0
-    chunks: dict[int, int] = field(default_factory=dict)   # chunk start -> compositor, until done
-    images: dict[int, list] = field(default_factory=dict)  # chunk start -> encoded frames
-    timing: dict[str, float] = field(default_factory=dict)
-    width: int = 0
-    height: int = 0
-    waiting_on: set[int] = field(default_factory=set)      # workers a multi-worker op still waits for
-    image_slots: set[int] = field(default_factory=set)     # compositors holding raw frames for it
-    results: list = field(default_factory=list)
-
-
-@dataclass
-class Worker:
-    index: int
-    device: str
-    ring: SlotRing
-    sock: Any
-    state: str = "starting"
-    pid: Optional[int] = None
-    restarts: int = 0
-    queue: deque = field(default_factory=deque)   # Pending waiting for an input slot
-    active: set[int] = field(default_factory=set) # requests assigned here and not finished
-    models: set[str] = field(default_factory=set)
-
-    @property
-    def ready(self) -> bool:
-        return self.state == "ready"
-
-
-@dataclass
-class Proc:
-    state: str = "starting"
-    pid: Optional[int] = None
-    restarts: int = 0
-    active: set[int] = field(default_factory=set)
 
 
 class Frontend:
@@ -209,7 +133,7 @@ class Frontend:
         while self.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for p in list(self.requests.values()):
-            self._finish(p, code="unavailable", message="the server is shutting down; retry on another server")
+            self.finish(p, code="unavailable", message="the server is shutting down; retry on another server")
         readers[-1].cancel()
 
     async def _read_clients(self, sock) -> None:
@@ -264,7 +188,7 @@ class Frontend:
     def _error(self, client: Client, request_id, code: P.ErrorCode | str, message: str) -> None:
         self._send(client, P.error_reply(request_id, P.ErrorCode(code), message))
 
-    def _finish(self, p: Pending, header: Optional[bytes] = None, data: list = (), *,
+    def finish(self, p: Pending, header: Optional[bytes] = None, data: list = (), *,
                 code: Optional[str] = None, message: str = "") -> None:
         """The one exit of every request: reply once, free everything it holds."""
         if self.requests.pop(p.req, None) is None:
@@ -334,17 +258,19 @@ class Frontend:
         timeout_s = header.timeout_ms / 1000 if header.timeout_ms else self.config.limits.request_timeout_s
         p.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, p.req)
         handler = {
-            P.Op.HEALTH: self._health, P.Op.MODELS: self._models, P.Op.LOAD: self._load,
-            P.Op.UNLOAD: self._unload, P.Op.STATS: self._stats, P.Op.INFER: self._tensor_op,
-            P.Op.COMPOSITE: self._tensor_op,
-        }[header.op]
+            P.Op.HEALTH: control.health, P.Op.MODELS: control.models, P.Op.LOAD: control.load,
+            P.Op.UNLOAD: control.unload, P.Op.STATS: control.stats,
+        }.get(header.op)
         try:
-            await handler(p, payload)
+            if handler is None:
+                await self._tensor_op(p, payload)
+            else:
+                await handler(self, p, payload)
         except RequestError as err:
-            self._finish(p, code=err.code.value, message=err.message)
+            self.finish(p, code=err.code.value, message=err.message)
         except Exception as err:  # a bug: the client still gets exactly one reply
             log.exception("op %s failed", header.op.value)
-            self._finish(p, code="internal", message=f"{type(err).__name__}: {err}")
+            self.finish(p, code="internal", message=f"{type(err).__name__}: {err}")
 
     def _expire(self, req: int) -> None:
         p = self.requests.get(req)
@@ -352,20 +278,20 @@ class Frontend:
             return
         where = "in the queue" if p.worker is not None and p in self.workers[p.worker].queue else "in flight"
         limit = p.header.timeout_ms or int(self.config.limits.request_timeout_s * 1000)
-        self._finish(p, code="timeout", message=f"no result within {limit} ms (request was {where}); raise "
+        self.finish(p, code="timeout", message=f"no result within {limit} ms (request was {where}); raise "
                      "timeout_ms or limits.request_timeout_s, or send less work at once")
 
-    async def _spec(self, p: Pending) -> ModelSpec:
+    async def model_spec(self, p: Pending) -> ModelSpec:
         spec = await self.catalog.get(p.header.model)
         if isinstance(spec, CatalogError):
             raise RequestError(P.ErrorCode(spec.code), spec.message, p.header.id)
         return spec
 
-    def _no_worker_message(self) -> str:
+    def no_worker_message(self) -> str:
         states = ", ".join(f"worker {w.index} ({w.device}) is {w.state}" for w in self.workers)
         return f"no inference worker is ready: {states}; retry shortly"
 
-    def _pick_worker(self, model: str) -> Optional[Worker]:
+    def pick_worker(self, model: str) -> Optional[Worker]:
         ready = [w for w in self.workers if w.ready]
         if not ready:
             return None
@@ -379,16 +305,16 @@ class Frontend:
         return min(ready, key=lambda w: (len(w.active), w.index))
 
     async def _tensor_op(self, p: Pending, payload: list) -> None:
-        spec = p.spec = await self._spec(p)
+        spec = p.spec = await self.model_spec(p)
         p.tensors = check_tensors(p.header, payload, spec.audio_shape)
         if p.op is P.Op.COMPOSITE:
             p.frames = [frame_index(p.header.start_frame + i, spec.frames, spec.order) for i in range(p.header.batch)]
             p.width, p.height = spec.width, spec.height
         if p.req not in self.requests:
             return  # expired while the catalog read the model's files
-        worker = self._pick_worker(spec.id)
+        worker = self.pick_worker(spec.id)
         if worker is None:
-            raise RequestError(P.ErrorCode.UNAVAILABLE, self._no_worker_message(), p.header.id)
+            raise RequestError(P.ErrorCode.UNAVAILABLE, self.no_worker_message(), p.header.id)
         if len(worker.queue) >= self.config.limits.queue_depth:
             raise RequestError(P.ErrorCode.OVERLOADED, f"inference worker {worker.index} has "
                                f"{len(worker.queue)} requests queued (limits.queue_depth); retry later",
@@ -410,11 +336,11 @@ class Frontend:
             try:
                 task = self._write_inputs(p, worker, slot)
             except RequestError as err:
-                self._finish(p, code=err.code.value, message=err.message)
+                self.finish(p, code=err.code.value, message=err.message)
                 continue
             except Exception as err:  # a bug: answer, free the slot, keep serving
                 log.exception("writing inputs failed")
-                self._finish(p, code="internal", message=f"{type(err).__name__}: {err}")
+                self.finish(p, code="internal", message=f"{type(err).__name__}: {err}")
                 continue
             p.dispatched = time.monotonic()
             p.tensors = None  # the client's frames are no longer needed
@@ -468,7 +394,7 @@ class Frontend:
         elif isinstance(msg, CompositeDone):
             self._composite_done(msg, data)
         elif isinstance(msg, (LoadDone, StatsReport)):
-            self._gathered(msg)
+            control.gathered(self, msg)
         elif isinstance(msg, ModelEvent):
             self._model_event(msg)
         elif isinstance(msg, ProcessEvent):
@@ -487,7 +413,7 @@ class Frontend:
         p.timing.update(queue_ms=msg.queue_ms, inference_ms=msg.inference_ms)
         self.metrics.latency.labels("queue").observe(msg.queue_ms)
         if not msg.ok:
-            self._finish(p, code=msg.code, message=msg.message)
+            self.finish(p, code=msg.code, message=msg.message)
             return
         self.metrics.latency.labels("inference").observe(msg.inference_ms)
         if p.op is P.Op.INFER:
@@ -501,13 +427,13 @@ class Frontend:
             data = [mouths[i].tobytes() for i in range(p.header.batch)]
             ring.verify(msg.output)
         except StaleHandle as err:
-            self._finish(p, code="unavailable", message=f"the worker restarted while the reply was read ({err})")
+            self.finish(p, code="unavailable", message=f"the worker restarted while the reply was read ({err})")
             return
         p.timing["total_ms"] = (time.monotonic() - p.t0) * 1000
         header = P.encode(P.InferReply(id=p.header.id, batch=p.header.batch, timing=P.Timing(**p.timing),
                                        worker=P.WorkerInfo(device=worker.device, index=worker.index)))
         self.metrics.frames.labels(p.spec.id).inc(p.header.batch)
-        self._finish(p, header, data)
+        self.finish(p, header, data)
 
     def _composite_done(self, msg: CompositeDone, data: list) -> None:
         p = self.requests.get(msg.req)
@@ -521,7 +447,7 @@ class Frontend:
             frames = self.images[msg.compositor].read(msg.images)
             data = [frames[i] for i in range(len(frames))]
         if not msg.ok:
-            self._finish(p, code=msg.code, message=msg.message)
+            self.finish(p, code=msg.code, message=msg.message)
             return
         p.images[msg.start] = data
         p.timing["composite_ms"] = max(p.timing.get("composite_ms", 0.0), msg.composite_ms)
@@ -541,7 +467,7 @@ class Frontend:
             worker=P.WorkerInfo(device=worker.device, index=worker.index)))
         images = [img for start in sorted(p.images) for img in p.images[start]]
         self.metrics.frames.labels(p.spec.id).inc(p.header.batch)
-        self._finish(p, header, images)
+        self.finish(p, header, images)
 
     def _model_event(self, msg: ModelEvent) -> None:
         worker = self.workers[msg.worker]
@@ -577,124 +503,13 @@ class Frontend:
         for req in list(proc.active):
             p = self.requests.get(req)
             if p is not None:
-                self._finish(p, code="unavailable", message=reason)
+                self.finish(p, code="unavailable", message=reason)
         proc.active.clear()
         if isinstance(proc, Worker):
             proc.models.clear()
             for p in list(proc.queue):
-                self._finish(p, code="unavailable", message=reason)
+                self.finish(p, code="unavailable", message=reason)
             proc.ring.become_writer()
-
-    # -- control ops ------------------------------------------------------------------------
-
-    async def _health(self, p: Pending, payload: list) -> None:
-        procs = [P.ProcessInfo(role="frontend", index=0, pid=os.getpid(), state="ready")]
-        procs += [P.ProcessInfo(role="gpu", index=w.index, pid=w.pid, state=w.state, restarts=w.restarts,
-                                device=w.device) for w in self.workers]
-        procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state, restarts=c.restarts, device="cpu")
-                  for i, c in enumerate(self.compositors)]
-        states = {pr.state for pr in procs}
-        if states == {"ready"}:
-            status = "ready"
-        elif all(pr.restarts == 0 and pr.state in ("starting", "ready") for pr in procs):
-            status = "starting"
-        else:
-            status = "degraded"
-        loaded: dict[str, list[int]] = {}
-        for w in self.workers:
-            for model in w.models:
-                loaded.setdefault(model, []).append(w.index)
-        self._finish(p, P.encode(P.HealthReply(id=p.header.id, status=status, processes=procs,
-                                               models_loaded=loaded, version=_version())))
-
-    async def _models(self, p: Pending, payload: list) -> None:
-        ids = [i for i in self.catalog.ids() if p.client.tenant is None or p.client.tenant.allows(i)]
-        specs = await asyncio.gather(*(self.catalog.get(i) for i in ids))
-        models = []
-        for model_id, spec in zip(ids, specs):
-            loaded_on = [w.index for w in self.workers if model_id in w.models]
-            if isinstance(spec, CatalogError):
-                models.append(P.ModelInfo(id=model_id, loaded_on=loaded_on, error=spec.message))
-            else:
-                models.append(P.ModelInfo(id=model_id, frames=spec.frames, width=spec.width, height=spec.height,
-                                          audio_shape=list(spec.audio_shape), loaded_on=loaded_on))
-        self._finish(p, P.encode(P.ModelsReply(id=p.header.id, models=models)))
-
-    async def _load(self, p: Pending, payload: list) -> None:
-        await self._spec(p)
-        worker = self._pick_worker(p.header.model)
-        if worker is None:
-            raise RequestError(P.ErrorCode.UNAVAILABLE, self._no_worker_message(), p.header.id)
-        p.waiting_on = {worker.index}
-        worker.sock.send(encode(LoadModel(req=p.req, model=p.header.model)))
-
-    async def _unload(self, p: Pending, payload: list) -> None:
-        if p.header.model not in self.catalog.ids():
-            raise RequestError(P.ErrorCode.UNKNOWN_MODEL, f"unknown model {p.header.model!r}", p.header.id)
-        targets = [w for w in self.workers if w.ready and p.header.model in w.models]
-        if not targets:
-            self._finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=[])))
-            return
-        p.waiting_on = {w.index for w in targets}
-        for w in targets:
-            w.sock.send(encode(UnloadModel(req=p.req, model=p.header.model)))
-
-    async def _stats(self, p: Pending, payload: list) -> None:
-        targets = [w for w in self.workers if w.ready]
-        p.waiting_on = {w.index for w in targets}
-        for w in targets:
-            w.sock.send(encode(StatsQuery(req=p.req)))
-        if not targets:
-            self._stats_reply(p)
-            return
-        asyncio.get_running_loop().call_later(STATS_TIMEOUT_S, self._stats_reply, p)
-
-    def _gathered(self, msg: LoadDone | StatsReport) -> None:
-        p = self.requests.get(msg.req)
-        if p is None or msg.worker not in p.waiting_on:
-            return
-        p.waiting_on.discard(msg.worker)
-        p.results.append(msg)
-        if p.waiting_on:
-            return
-        if p.op is P.Op.STATS:
-            self._stats_reply(p)
-            return
-        failed = next((r for r in p.results if not r.ok), None)
-        if failed is not None:
-            self._finish(p, code=failed.code, message=failed.message)
-            return
-        loaded_on = [w.index for w in self.workers if p.header.model in w.models]
-        if p.op is P.Op.LOAD:
-            loaded_on = sorted(set(loaded_on) | {r.worker for r in p.results})
-        else:
-            loaded_on = [i for i in loaded_on if i not in {r.worker for r in p.results}]
-        self._finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=loaded_on,
-                                             load_ms=max(r.load_ms for r in p.results))))
-
-    def _stats_reply(self, p: Pending) -> None:
-        if p.req not in self.requests:
-            return
-        models: dict[str, dict[str, Any]] = {}
-        workers = []
-        for report in p.results:
-            workers.append({"index": report.worker, "device": report.device, "loaded": report.loaded,
-                            "queue": report.queue})
-            for model, s in report.models.items():
-                merged = models.setdefault(model, {})
-                for key, value in s.items():
-                    if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
-                        merged[key] = max(merged.get(key, 0.0), value)
-                    else:
-                        merged[key] = merged.get(key, 0) + value
-        tenant = p.client.tenant
-        models = {k: v for k, v in models.items() if p.header.model in (None, k) and (tenant is None or tenant.allows(k))}
-        missing = sorted(p.waiting_on)
-        if missing:
-            workers += [{"index": i, "error": "no answer within 2 s"} for i in missing]
-        store = {m: dict(v) for m, v in self.store_lookups.items() if m in models or p.header.model == m}
-        self._finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers, store=store)))
-
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
     child_main("frontend", index, run, lambda ctx: Frontend(ctx, config, run))
