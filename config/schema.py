@@ -90,7 +90,6 @@ class InferenceConfig(_Section):
     preload: tuple[ModelId, ...] = ()
     intra_op_threads: NonNegInt = 0
     tensorrt: bool = False
-    fp16: bool = False
 
 
 class CompositingConfig(_Section):
