@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import urllib.request
 import venv
 from pathlib import Path
@@ -35,9 +36,11 @@ def _want_stamp(extras: str) -> str:
 def _bootstrap_pip() -> None:
     # NOTE: Debian's python3 ships without ensurepip (python3-venv); fetch pip's wheel from PyPI
     # and run pip from the wheel itself, which is how get-pip works.
-    with urllib.request.urlopen("https://pypi.org/pypi/pip/json", timeout=60) as resp:
+    index = "https://pypi.org/pypi/pip/json"
+    with urllib.request.urlopen(index, timeout=60) as resp:
         meta = json.load(resp)
-    url = next(f["url"] for f in meta["urls"] if f["filename"].endswith(".whl"))
+    # Mirrors may answer with relative file URLs: resolve them against the JSON's own address.
+    url = urllib.parse.urljoin(resp.url, next(f["url"] for f in meta["urls"] if f["filename"].endswith(".whl")))
     with tempfile.TemporaryDirectory() as tmp:
         wheel = Path(tmp) / url.rsplit("/", 1)[1]
         with urllib.request.urlopen(url, timeout=120) as resp:
