@@ -266,6 +266,7 @@ class Supervisor:
     def shutdown(self) -> None:
         """Stop accepting and drain (the frontend first), stop the children, unlink shared memory."""
         grace = self.config.supervisor.shutdown_timeout_s
+        log.info("shutting down: finishing requests in flight (up to %gs)", grace)
         front = ("frontend", "bridge")
         order = [[c for c in self.children if c.role in front], [c for c in self.children if c.role not in front]]
         for group in order:
@@ -282,6 +283,7 @@ class Supervisor:
                     child.process.join(5)
         self.ctx.destroy(linger=0)
         self._cleanup()
+        log.info("stopped; shared memory removed")
 
     def warnings(self) -> list[str]:
         cfg, out = self.config, []
