@@ -9,6 +9,7 @@ Tasks whose model is loading wait aside; every other model's tasks keep running 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -48,9 +49,12 @@ class InferenceWorker:
         self.outputs.become_writer()
         self.store = BackgroundStore.attach(run.store)
         inf = config.inference
+        # NOTE: a finished load wakes the loop from the load thread, or from this one when the load
+        # failed before its callback was attached: the lock keeps the socket to one thread at a time.
+        self._wake_lock = threading.Lock()
         self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, lambda: self._wake_tx.send(b""))
+                                 self._model_event, self._wake)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
@@ -68,6 +72,10 @@ class InferenceWorker:
     def _onnx_path(self, model: str) -> Optional[Path]:
         paths = model_paths(self.config, model)
         return paths.onnx if paths else None
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_tx.send(b"")
 
     def _model_event(self, model: str, event: str, load_ms: float, nbytes: int) -> None:
         self.to_frontend.send(encode(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
