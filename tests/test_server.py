@@ -241,3 +241,28 @@ def test_raw_frames_return_their_image_slots(server):
             return await asyncio.gather(*(client.composite("a", audio, start_frame=k, format="raw") for k in range(12)))
 
     assert all(len(images) == 3 for _, images in asyncio.run(burst()))
+
+
+def test_client_cli(server, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert json.loads(cli("health"))["status"] == "ready"
+    assert "a" in {m["id"] for m in json.loads(cli("models"))}
+    out = tmp_path / "frames"
+    cli("composite", "a", "--batch", "3", "--format", "png", "--out", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["frame_00000.png", "frame_00001.png", "frame_00002.png"]
+    bench = json.loads(cli("bench", "--models", "a", "--count", "6", "--batch", "2", "--concurrency", "2", "--json"))
+    assert bench["requests"] == 6 and not bench["errors"] and bench["frames_per_s"] > 0
+    assert set(bench["latency_ms"]) == {"p50", "p90", "p99"}
+    bad = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "load", "nobody"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "unknown_model" in bad.stderr
