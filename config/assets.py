@@ -30,6 +30,14 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
 
 
+def mouths_to_uint8(mouths: np.ndarray) -> np.ndarray:
+    """SyncTalk_2D's `np.uint8(P * 255)`: floor(255 * P) clipped to 0..255, layout kept (CHW).
+    The compositor and the bridge both use it, so pixels match wherever the conversion runs."""
+    scaled = np.multiply(mouths, np.float32(255), dtype=np.float32)
+    np.clip(scaled, 0, 255, out=scaled)
+    return scaled.astype(np.uint8)
+
+
 class AssetError(ValueError):
     """A model's files cannot be used; the message names the file (and index) and the fix."""
 

@@ -12,21 +12,18 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from config.assets import INNER
+from config.assets import INNER, mouths_to_uint8
 
 try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
     from fpng import fpng_ext as _fpng
 except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux only
     _fpng = None
 
-_255 = np.float32(255)
 
 
 def mouth_to_uint8(mouth: np.ndarray) -> np.ndarray:
-    """P [3,320,320] float32 in [0,1] -> HWC uint8, truncating as `np.uint8(P * 255)` does."""
-    scaled = np.multiply(mouth, _255, dtype=np.float32)
-    np.clip(scaled, 0, 255, out=scaled)
-    return scaled.astype(np.uint8).transpose(1, 2, 0)
+    """P [3,320,320] float32 in [0,1] -> HWC uint8 (step 2's truncation)."""
+    return mouths_to_uint8(mouth).transpose(1, 2, 0)
 
 
 def paste(background: np.ndarray, crop: np.ndarray, mouth_hwc: np.ndarray, rect) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from config import Config
+from config.assets import mouths_to_uint8
 from gpu_actor.worker import hand_off
 from shm.child import child_main
 from shm.curve import make_client, make_server, public_keys_in, start_authenticator
@@ -200,13 +201,6 @@ class RemoteWorker:
             self._from_frontend(decode(self.tasks.recv()))
 
 
-def to_uint8(mouths: np.ndarray) -> np.ndarray:
-    """floor(255 * P) clipped to 0..255, as the compositor computes it (CHW kept)."""
-    scaled = np.multiply(mouths, np.float32(255), dtype=np.float32)
-    np.clip(scaled, 0, 255, out=scaled)
-    return scaled.astype(np.uint8)
-
-
 def from_uint8(mouths_u8: np.ndarray, out: np.ndarray) -> None:
     """float32 values whose floor(255 * P) is exactly the given uint8: (u + 0.5) / 255."""
     np.add(mouths_u8, np.float32(0.5), out=out, dtype=np.float32)
@@ -344,7 +338,7 @@ class BridgeServer:
                 mouths = self.outputs[worker].read(msg.output)
                 # Composite mouths go back as the uint8 the compositor truncates them to anyway: 4x fewer
                 # bytes, same pixels. `infer` gets the float32 output itself.
-                data = [to_uint8(mouths) if entry[3].plan else mouths]  # copied once into the socket below
+                data = [mouths_to_uint8(mouths) if entry[3].plan else mouths]  # copied once into the socket below
             self._reply(identity, InferDone(**{**_fields(msg), "req": edge_req, "output": None}), data)
             self.workers[worker].send(encode(ReleaseTask(req=msg.req)))
             self._pump(worker)

@@ -197,7 +197,7 @@ class Supervisor:
                 poller.register(child.process.sentinel, zmq.POLLIN)
         poller.poll(int(timeout_s * 1000))
         while self.inbox.poll(0):
-            self._on_message(decode(self.inbox.recv()), starting)
+            self._on_message(decode(self.inbox.recv()))
         for child in self.children:
             if child.process is not None and child.state in ("starting", "ready") and not child.process.is_alive():
                 self._on_death(child, starting)
@@ -205,7 +205,7 @@ class Supervisor:
     def _find(self, role: str, index: int) -> Child:
         return next(c for c in self.children if c.role == role and c.index == index)
 
-    def _on_message(self, msg, starting: bool) -> None:
+    def _on_message(self, msg) -> None:
         if isinstance(msg, Ready):
             child = self._find(msg.role, msg.index)
             if child.process is None or child.process.pid != msg.pid:
