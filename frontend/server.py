@@ -498,8 +498,10 @@ class Frontend:
             return
         # The process is gone: everything it held gets `unavailable` now, never silence.
         what = f"{'inference worker' if msg.role == 'gpu' else 'compositing process'} {msg.index}"
-        reason = (f"{what} ({proc.device if isinstance(proc, Worker) else 'cpu'}) is unreachable; retry"
-                  if msg.state == "unreachable" else f"{what} died and is restarting; retry")
+        device = proc.device if isinstance(proc, Worker) else "cpu"
+        reason = {"unreachable": f"{what} ({device}) is unreachable; retry",
+                  "starting": f"{what} ({device}) has no ready inference worker on its host; retry",
+                  }.get(msg.state, f"{what} died and is restarting; retry")
         for req in list(proc.active):
             p = self.requests.get(req)
             if p is not None:

@@ -68,7 +68,9 @@ class RemoteWorker:
             make_client(self.host, config.bridge.client_secret_key, host.server_key, "bridge")
         self.host.connect(self.endpoint)
         self.pending: dict[int, InferTask] = {}
-        self.up: Optional[bool] = None   # None: no heartbeat answered or missed yet
+        # "ready", "starting" (host answers, none of its workers is ready yet) or "unreachable";
+        # None until the first heartbeat is answered or missed (the supervisor has said "ready").
+        self.state: Optional[str] = None
         self.loaded: set[str] = set()
         self._last_pong = time.monotonic()
         self._next_ping = 0.0
@@ -109,13 +111,15 @@ class RemoteWorker:
         if now >= self._next_ping:
             self._send_host([encode(Ping(sent=now))])
             self._next_ping = now + self.config.bridge.heartbeat_s
-        if self.up is not False and now - self._last_pong > self.config.bridge.dead_after_s:
+        if self.state != "unreachable" and now - self._last_pong > self.config.bridge.dead_after_s:
             log.warning("GPU host %s does not answer heartbeats", self.endpoint)
-            self.up = False
+            self.state = "unreachable"
             self.pending.clear()  # the frontend answers them all `unavailable`
-            self._report("unreachable")
-        elif self.up is False and now >= self._next_report:
-            self._report("unreachable")  # repeated while down, so a restarted frontend learns it too
+            self._report(self.state)
+        elif self.state in ("unreachable", "starting") and now >= self._next_report:
+            # Repeated while not ready, so a restarted frontend learns it too, and so it outlasts the
+            # supervisor's own "ready" for this process should that arrive later.
+            self._report(self.state)
 
     def _report(self, state: str) -> None:
         self._next_report = time.monotonic() + 1.0
@@ -124,8 +128,11 @@ class RemoteWorker:
 
     def _from_frontend(self, msg) -> None:
         if isinstance(msg, InferTask):
-            if self.up is False:
+            if self.state == "unreachable":
                 self._done(msg.req, "unavailable", f"GPU host {self.endpoint} is unreachable; retry")
+                return
+            if self.state == "starting":
+                self._done(msg.req, "unavailable", f"GPU host {self.endpoint} has no ready inference worker; retry")
                 return
             frames = [encode(msg)]
             if msg.visual is not None:
@@ -156,11 +163,12 @@ class RemoteWorker:
         msg = decode(frames[0].buffer)
         if isinstance(msg, Pong):
             self._last_pong = time.monotonic()
-            if self.up is not True:
-                log.info("GPU host %s is reachable", self.endpoint)
-                if self.up is False:
-                    self._report("ready")
-                self.up = True
+            state = "ready" if msg.workers_ready else "starting"
+            if state != self.state:
+                log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
+                if self.state is not None or state != "ready":
+                    self._report(state)
+                self.state = state
             self._sync_models(set(msg.loaded))
         elif isinstance(msg, InferDone):
             self._infer_done(msg, frames[1:])
@@ -276,7 +284,7 @@ class BridgeServer:
         identity, msg, data = frames[0], decode(frames[1].buffer), frames[2:]
         if isinstance(msg, Ping):
             loaded = sorted(set().union(*self.models)) if self.models else []
-            self._reply(identity, Pong(sent=msg.sent, loaded=loaded))
+            self._reply(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=sum(self.ready)))
             return
         worker = self._pick(getattr(msg, "model", ""))
         if worker is None:

@@ -192,6 +192,7 @@ class Ping(_Msg):
 class Pong(_Msg):
     sent: float
     loaded: list[str]                # models loaded on the GPU host, for the edge's routing
+    workers_ready: int = 0           # the GPU host serves only while at least one of its workers is ready
 
 
 Message = Union[
