@@ -6,6 +6,10 @@ tensors into the slot -> InferTask. InferDone frees the input slot; `infer` repl
 `composite` waits for one CompositeDone per chunk of the batch. Any end (reply, error, deadline,
 a dead process) frees the request's slots: `ReleaseTask` tells the worker to free its output slot.
 Every request gets exactly one reply.
+
+A client whose connection closes leaves nothing behind: a monitor on each ROUTER reports the
+connection's file descriptor, which libzmq also stamps on every frame it received (ZMQ_SRCFD), so the
+requests that came over it end at once (queued ones never reach a worker), with no reply to send.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Optional
 import numpy as np
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from config import Config, resolve_path
 from config.assets import frame_index
@@ -64,6 +69,15 @@ class Frontend:
                             "frontend.curve.secret_key")
             sock.bind(endpoint)
             self.clients.append(sock)
+        # One monitor per ROUTER, read without blocking (see _connections_closed).
+        self.monitors = []
+        for i, sock in enumerate(self.clients):
+            address = f"inproc://frontend-monitor-{i}"
+            sock.monitor(address, zmq.EVENT_DISCONNECTED)
+            monitor = ctx.socket(zmq.PAIR)
+            monitor.connect(address)
+            self.monitors.append(monitor)
+        self.connections: dict[tuple, set[int]] = {}   # (ROUTER index, fd) -> requests that came over it
         self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend)
         self.workers = []
         for i, (addr, spec) in enumerate(zip(run.endpoints.gpu, run.input_rings)):
@@ -106,7 +120,9 @@ class Frontend:
             self.auth.stop()
         # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
         # does not know them: close each here, or the context's term() blocks forever.
-        for sock in self.clients:
+        for sock, monitor in zip(self.clients, self.monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=1000)  # let the last replies leave
         for sock in [self.pull, *(w.sock for w in self.workers), *self.to_cpu]:
             sock.close(linger=0)
@@ -122,7 +138,8 @@ class Frontend:
         deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S
         while not self._synced() and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.01)
-        readers = [asyncio.create_task(self._read_clients(s)) for s in self.clients]
+        readers = [asyncio.create_task(self._read_clients(i, s)) for i, s in enumerate(self.clients)]
+        readers += [asyncio.create_task(self._watch_connections(i, m)) for i, m in enumerate(self.monitors)]
         readers.append(internal)
         while not self._stopping:
             await asyncio.sleep(0.1)  # the SIGTERM flag; every real wait is a socket read
@@ -136,13 +153,46 @@ class Frontend:
             self.finish(p, code="unavailable", message="the server is shutting down; retry on another server")
         readers[-1].cancel()
 
-    async def _read_clients(self, sock) -> None:
+    async def _read_clients(self, index: int, sock) -> None:
         while True:
             frames = await sock.recv_multipart(copy=False)
+            # NOTE: libzmq queues a connection's DISCONNECTED event before it closes the fd, and so
+            # before another connection can be accepted on the same number: taking the events first
+            # means a reused fd is never mistaken for the closed connection.
+            self._connections_closed(index)
             try:
-                await self._on_request(sock, frames)
+                await self._on_request(index, sock, frames)
             except Exception:  # a bug must not kill the reader; the client still gets a reply
                 log.exception("request handling failed")
+
+    async def _watch_connections(self, index: int, monitor: zmq.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(monitor.FD, ready.set)   # edge-triggered: always drain after a wake-up
+        try:
+            while True:
+                self._connections_closed(index)
+                await ready.wait()
+                ready.clear()
+        finally:
+            loop.remove_reader(monitor.FD)
+
+    def _connections_closed(self, index: int) -> None:
+        """End the requests of every connection of ROUTER `index` that has closed."""
+        monitor = self.monitors[index]
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            reqs = self.connections.pop((index, event["value"]), ())
+            for req in list(reqs):
+                p = self.requests.get(req)
+                if p is not None:
+                    p.client.gone = True
+                    self.finish(p, code="client_gone", message="")
+            if reqs:
+                log.info("a client disconnected with %d request(s) open: ended them", len(reqs))
 
     async def _read_internal(self) -> None:
         while True:
@@ -195,7 +245,14 @@ class Frontend:
             return
         if p.timer is not None:
             p.timer.cancel()
-        if code is not None:
+        open_reqs = self.connections.get(p.client.conn)
+        if open_reqs is not None:
+            open_reqs.discard(p.req)
+            if not open_reqs:
+                del self.connections[p.client.conn]
+        if p.client.gone:
+            self._release_images(p.req, p.image_slots)
+        elif code is not None:
             self._error(p.client, p.header.id, code, message)
             self._release_images(p.req, p.image_slots)
         elif p.image_slots:
@@ -230,7 +287,7 @@ class Frontend:
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def _on_request(self, sock, frames: list) -> None:
+    async def _on_request(self, index: int, sock, frames: list) -> None:
         # Envelope: routing id, then frames up to and including the empty delimiter.
         delim = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
         if delim is None:  # a DEALER that sent no delimiter: answer in kind
@@ -255,6 +312,10 @@ class Frontend:
             return
         p = Pending(next(self._ids), header.op, header, client, time.monotonic())
         self.requests[p.req] = p
+        fd = _source_fd(body[0])
+        if fd is not None:
+            client.conn = (index, fd)
+            self.connections.setdefault(client.conn, set()).add(p.req)
         timeout_s = header.timeout_ms / 1000 if header.timeout_ms else self.config.limits.request_timeout_s
         p.timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, p.req)
         handler = {
@@ -512,6 +573,15 @@ class Frontend:
             for p in list(proc.queue):
                 self.finish(p, code="unavailable", message=reason)
             proc.ring.become_writer()
+
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The connection a frame came over (ZMQ_SRCFD); None where the transport has none (inproc)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+    return fd if fd >= 0 else None
+
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
     child_main("frontend", index, run, lambda ctx: Frontend(ctx, config, run))

@@ -27,6 +27,8 @@ class Client:
     sock: Any                      # the ROUTER socket the request came in on
     envelope: list                 # routing id(s) + empty delimiter, sent back as is
     tenant: Optional["Tenant"] = None
+    conn: Optional[tuple] = None   # (ROUTER index, connection fd): what a disconnect names
+    gone: bool = False             # the connection closed: nothing is sent to it any more
 
 
 @dataclass

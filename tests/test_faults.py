@@ -4,12 +4,14 @@ Every server here is stopped with SIGTERM and checked for leftover processes and
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
+import zmq
 
 from frontend.client import AsyncClient, ClientTimeout, ServerError
 from tests.helpers import base_config, make_avatar, run_server
@@ -151,6 +153,26 @@ def test_kill_frontend_clients_reconnect_and_succeed(server):
     assert proc["pid"] != old
     # The inference workers dropped what the dead frontend held: slow requests are served again.
     assert _codes(asyncio.run(_burst(server.endpoint, 2))) == ["ok", "ok"]
+
+
+def test_clients_that_vanish_mid_request_leave_no_slot_behind(server):
+    """A DEALER that sends work and closes at once: the work ends, its reply is dropped by ZeroMQ, and
+    every slot comes back (a raw reply's image slot too); with one slot per ring a leak would starve
+    the next request."""
+    for fmt in ("raw", "jpeg", "raw"):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.endpoint)
+        for k in range(3):
+            header = {"op": "composite", "id": k, "model": "slow", "batch": 4, "format": fmt}
+            sock.send_multipart([b"", json.dumps(header).encode(), AUDIO.tobytes()])
+        time.sleep(0.3)
+        sock.close(linger=0)
+        ctx.term()
+    with server.client(timeout_s=60) as c:
+        header, images = c.composite("slow", AUDIO, format="raw")
+    assert header["ok"] and len(images) == 4
+    assert _codes(asyncio.run(_burst(server.endpoint, 2, format="raw"))) == ["ok", "ok"]
 
 
 def test_sigterm_finishes_in_flight_work_and_leaves_nothing(models, tmp_path):
