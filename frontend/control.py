@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from frontend import protocol as P
 from frontend.catalog import CatalogError
 from frontend.state import Pending
 from frontend.validate import RequestError
-from shm.messages import LoadDone, LoadModel, StatsQuery, StatsReport, UnloadModel, encode
+from shm.messages import LoadDone, LoadModel, StatsQuery, StatsReport, UnloadModel, encode, merge_model_stats
 
 if TYPE_CHECKING:
     from frontend.server import Frontend
@@ -118,18 +118,8 @@ def gathered(fe: Frontend, msg: LoadDone | StatsReport) -> None:
 def stats_reply(fe: Frontend, p: Pending) -> None:
     if p.req not in fe.requests:
         return
-    models: dict[str, dict[str, Any]] = {}
-    workers = []
-    for report in p.results:
-        workers.append({"index": report.worker, "device": report.device, "loaded": report.loaded,
-                        "queue": report.queue})
-        for model, s in report.models.items():
-            merged = models.setdefault(model, {})
-            for key, value in s.items():
-                if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
-                    merged[key] = max(merged.get(key, 0.0), value)
-                else:
-                    merged[key] = merged.get(key, 0) + value
+    workers = [{"index": r.worker, "device": r.device, "loaded": r.loaded, "queue": r.queue} for r in p.results]
+    models = merge_model_stats(p.results)
     tenant = p.client.tenant
     models = {k: v for k, v in models.items() if p.header.model in (None, k) and (tenant is None or tenant.allows(k))}
     missing = sorted(p.waiting_on)

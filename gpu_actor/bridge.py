@@ -35,7 +35,7 @@ from shm.curve import make_client, make_server, public_keys_in, start_authentica
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong,
                           ProcessEvent, ReleaseTask, ResetRequests, Shutdown, StatsQuery, StatsReport, UnloadModel,
-                          decode, encode)
+                          decode, encode, merge_model_stats)
 from shm.ring import RingError, SlotRing
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class RemoteWorker:
         elif isinstance(msg, ReleaseTask):
             self.outputs.release_request(msg.req)
         elif isinstance(msg, StatsQuery):
-            self._send_host([encode(msg)])  # unanswered: the frontend reports this worker as silent
+            self._send_host([encode(msg)])  # the host answers for all its workers at once
         elif isinstance(msg, (LoadModel, UnloadModel)):
             if not self._send_host([encode(msg)]):
                 self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False, code="unavailable",
@@ -245,6 +245,7 @@ class BridgeServer:
         self.models: list[set[str]] = [set() for _ in self.workers]
         self.queues: list[deque] = [deque() for _ in self.workers]
         self.pending: dict[int, tuple] = {}   # local req -> (edge identity, edge req, worker, op)
+        self.gathering: dict[int, tuple] = {} # stats: local req -> (edge identity, edge req, workers left, reports)
         self._ids = itertools.count(1)
         self._stopping = False
 
@@ -286,6 +287,9 @@ class BridgeServer:
             loaded = sorted(set().union(*self.models)) if self.models else []
             self._reply(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=sum(self.ready)))
             return
+        if isinstance(msg, StatsQuery):
+            self._gather_stats(identity, msg)
+            return
         worker = self._pick(getattr(msg, "model", ""))
         if worker is None:
             if isinstance(msg, InferTask):
@@ -304,6 +308,25 @@ class BridgeServer:
             self._pump(worker)
         else:
             self.workers[worker].send(encode(msg.__class__(**{**_fields(msg), "req": local})))
+
+    def _gather_stats(self, identity, msg: StatsQuery) -> None:
+        """One report for the whole host, merged from every ready worker's."""
+        local = next(self._ids)
+        targets = {i for i, r in enumerate(self.ready) if r}
+        self.gathering[local] = (identity, msg.req, targets, [])
+        for i in targets:
+            self.workers[i].send(encode(StatsQuery(req=local)))
+        self._stats_done(local)
+
+    def _stats_done(self, local: int) -> None:
+        identity, edge_req, waiting, reports = self.gathering[local]
+        if waiting:
+            return
+        del self.gathering[local]
+        self._reply(identity, StatsReport(
+            req=edge_req, worker=0, device=f"{len(reports)} worker(s): " + ", ".join(r.device for r in reports),
+            models=merge_model_stats(reports), loaded=sorted({m for r in reports for m in r.loaded}),
+            queue=sum(r.queue for r in reports) + sum(len(q) for q in self.queues)))
 
     def _pump(self, worker: int) -> None:
         ring = self.inputs[worker]
@@ -333,6 +356,11 @@ class BridgeServer:
         if isinstance(msg, ModelEvent):
             (self.models[msg.worker].add if msg.event == "loaded" else self.models[msg.worker].discard)(msg.model)
             return
+        if isinstance(msg, StatsReport) and msg.req in self.gathering:
+            self.gathering[msg.req][2].discard(msg.worker)
+            self.gathering[msg.req][3].append(msg)
+            self._stats_done(msg.req)
+            return
         entry = self.pending.pop(msg.req, None)
         if entry is None:
             if isinstance(msg, InferDone):
@@ -350,7 +378,7 @@ class BridgeServer:
             self._reply(identity, InferDone(**{**_fields(msg), "req": edge_req, "output": None}), data)
             self.workers[worker].send(encode(ReleaseTask(req=msg.req)))
             self._pump(worker)
-        elif isinstance(msg, (LoadDone, StatsReport)):
+        elif isinstance(msg, LoadDone):
             self._reply(identity, msg.__class__(**{**_fields(msg), "req": edge_req}))
 
     def _process_event(self, msg: ProcessEvent) -> None:
@@ -368,6 +396,9 @@ class BridgeServer:
                         self._reply(identity, InferDone(req=edge_req, worker=0, ok=False, code="unavailable",
                                                         message="an inference worker on the GPU host died; retry"))
             self.queues[msg.index].clear()
+            for local in list(self.gathering):  # a dead worker's stats are not waited for
+                self.gathering[local][2].discard(msg.index)
+                self._stats_done(local)
         elif msg.state == "ready":
             self._pump(msg.index)
 

@@ -204,6 +204,21 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+def merge_model_stats(reports: list[StatsReport]) -> dict[str, dict[str, float]]:
+    """Per-model stats of several workers as one: counts add up; latencies, load time and last use
+    take the highest worker's value."""
+    merged: dict[str, dict[str, float]] = {}
+    for report in reports:
+        for model, stats in report.models.items():
+            into = merged.setdefault(model, {})
+            for key, value in stats.items():
+                if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
+                    into[key] = max(into.get(key, 0.0), value)
+                else:
+                    into[key] = into.get(key, 0) + value
+    return merged
+
+
 def encode(message: _Msg) -> bytes:
     return _encoder.encode(message)
 

@@ -41,8 +41,8 @@ def models(tmp_path_factory) -> Path:
     return root
 
 
-def gpu_config(models: Path, keys: Path, port: int) -> dict:
-    return base_config(models, **{"shm.prefix": TEST_PREFIX + "g", "bridge": {
+def gpu_config(models: Path, keys: Path, port: int, workers: int = 1) -> dict:
+    return base_config(models, **{"shm.prefix": TEST_PREFIX + "g", "inference.workers_per_device": workers, "bridge": {
         "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
         "authorized_keys": str(keys / "authorized")}})
 
@@ -66,7 +66,7 @@ def _remote_ready(client: Client, timeout_s: float = 30) -> dict:
 
 def test_composite_through_the_bridge_has_single_host_pixels(tmp_path, models, keys):
     port = free_port()
-    with gpu_host(tmp_path, gpu_config(models, keys, port)):
+    with gpu_host(tmp_path, gpu_config(models, keys, port, workers=2)):
         with run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
             health = _remote_ready(c)
             assert [p["device"] for p in health["processes"] if p["role"] == "gpu"] == [f"remote:tcp://127.0.0.1:{port}"]
@@ -78,6 +78,10 @@ def test_composite_through_the_bridge_has_single_host_pixels(tmp_path, models, k
             reply, mouths = c.infer("b", np.zeros((2, 6, 320, 320), np.float32), AUDIO[:2])
             assert mouths.shape == (2, 3, 320, 320)
             assert c.load("a")["loaded_on"] == [0]
+            # The GPU host answers `stats` for all of its workers at once.
+            stats = c.stats()
+            assert stats["workers"][0]["device"].startswith("2 worker(s)"), stats["workers"]
+            assert stats["models"]["a"]["frames"] == 8 and stats["models"]["b"]["frames"] == 2, stats["models"]
 
 
 def test_lost_gpu_host_gives_unavailable_then_recovers_without_edge_restart(tmp_path, models, keys):
