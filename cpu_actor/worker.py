@@ -102,7 +102,7 @@ class Compositor:
             return
         model, frame, assets = item
         try:
-            self.store.fetch(model, frame, lambda: assets.decode(frame), want_background=False)
+            self.store.fetch(assets.store_id, frame, lambda: assets.decode(frame), want_background=False)
         except (AssetError, StoreError) as err:
             log.warning("compositing.preload: %s frame %d: %s", model, frame, err)
 
@@ -121,11 +121,11 @@ class Compositor:
             mouths = ring.read(task.mouths)[task.start:task.end]
             mouths_u8 = [mouth_to_uint8(m) for m in mouths]
             ring.verify(task.mouths)
-            assets = self.assets.get(task.model)
+            assets = self.assets.get(task.model, task.version)
             targets, images = self._targets(task, assets.height, assets.width)
             encoded, hits = [], 0
             for i, (frame, mouth) in enumerate(zip(task.frames, mouths_u8)):
-                background, crop, hit = self.store.fetch(task.model, frame, lambda f=frame: assets.decode(f),
+                background, crop, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f),
                                                          out=None if targets is None else targets[i])
                 hits += hit
                 image = paste(background, crop, mouth, assets.rects[frame])

@@ -26,6 +26,7 @@ class ModelSpec:
     width: int
     height: int
     order: str = "mirror"
+    version: int = 0       # token of the background files read (config.assets.files_version)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,13 @@ class Catalog:
             return CatalogError("bad_request", f"model {model_id}: its audio window {list(io.audio_shape)} has "
                                 f"{io.audio_elements} elements, more than limits.max_audio_elements ({limit}); "
                                 "raise it", time.monotonic())
-        return ModelSpec(model_id, io.audio_shape, assets.n_frames, assets.width, assets.height, assets.order)
+        return ModelSpec(model_id, io.audio_shape, assets.n_frames, assets.width, assets.height, assets.order,
+                         assets.version)
+
+    def forget(self, model_id: str) -> None:
+        """Read the model's files again on next use (`unload` calls this: it is how replaced files are
+        taken up without a restart)."""
+        self._specs.pop(model_id, None)
 
     def known(self, model_id: str) -> Optional[ModelSpec]:
         spec = self._specs.get(model_id)

@@ -74,7 +74,10 @@ async def load(fe: Frontend, p: Pending, payload: list) -> None:
 async def unload(fe: Frontend, p: Pending, payload: list) -> None:
     if p.header.model not in fe.catalog.ids():
         raise RequestError(P.ErrorCode.UNKNOWN_MODEL, f"unknown model {p.header.model!r}", p.header.id)
-    targets = [w for w in fe.workers if w.ready and p.header.model in w.models]
+    fe.catalog.forget(p.header.model)
+    # Every ready worker, not only those this process believes hold the model: what a GPU host
+    # holds is learned from its heartbeats and may lag a request that just loaded it.
+    targets = [w for w in fe.workers if w.ready]
     if not targets:
         fe.finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=[])))
         return

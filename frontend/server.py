@@ -427,7 +427,7 @@ class Frontend:
         deadline = time.monotonic() + (p.timer.when() - asyncio.get_running_loop().time())
         return InferTask(req=p.req, model=p.spec.id, batch=batch, audio=audio_ref, visual=visual_ref,
                          frames=p.frames or list(range(batch)), plan=plan, format=fmt, quality=quality,
-                         deadline=deadline, enqueued=p.t0)
+                         deadline=deadline, enqueued=p.t0, version=p.spec.version)
 
     def _plan(self, p: Pending) -> list[Chunk]:
         """Split the batch over the ready compositing processes, least busy first."""

@@ -245,7 +245,8 @@ class BridgeServer:
         self.models: list[set[str]] = [set() for _ in self.workers]
         self.queues: list[deque] = [deque() for _ in self.workers]
         self.pending: dict[int, tuple] = {}   # local req -> (edge identity, edge req, worker, op)
-        self.gathering: dict[int, tuple] = {} # stats: local req -> (edge identity, edge req, workers left, reports)
+        # Ops for every worker (stats, unload): local req -> (edge identity, edge query, workers left, answers)
+        self.gathering: dict[int, tuple] = {}
         self._ids = itertools.count(1)
         self._stopping = False
 
@@ -288,7 +289,10 @@ class BridgeServer:
             self._reply(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=sum(self.ready)))
             return
         if isinstance(msg, StatsQuery):
-            self._gather_stats(identity, msg)
+            self._gather(identity, msg, {i for i, r in enumerate(self.ready) if r})
+            return
+        if isinstance(msg, UnloadModel):
+            self._gather(identity, msg, {i for i, r in enumerate(self.ready) if r})
             return
         worker = self._pick(getattr(msg, "model", ""))
         if worker is None:
@@ -309,24 +313,28 @@ class BridgeServer:
         else:
             self.workers[worker].send(encode(msg.__class__(**{**_fields(msg), "req": local})))
 
-    def _gather_stats(self, identity, msg: StatsQuery) -> None:
-        """One report for the whole host, merged from every ready worker's."""
+    def _gather(self, identity, msg, targets: set[int]) -> None:
+        """Send an op to several local workers; the edge gets one answer for the whole host."""
         local = next(self._ids)
-        targets = {i for i, r in enumerate(self.ready) if r}
-        self.gathering[local] = (identity, msg.req, targets, [])
+        self.gathering[local] = (identity, msg, targets, [])
         for i in targets:
-            self.workers[i].send(encode(StatsQuery(req=local)))
-        self._stats_done(local)
+            self.workers[i].send(encode(msg.__class__(**{**_fields(msg), "req": local})))
+        self._gathered(local)
 
-    def _stats_done(self, local: int) -> None:
-        identity, edge_req, waiting, reports = self.gathering[local]
+    def _gathered(self, local: int) -> None:
+        identity, msg, waiting, answers = self.gathering[local]
         if waiting:
             return
         del self.gathering[local]
-        self._reply(identity, StatsReport(
-            req=edge_req, worker=0, device=f"{len(reports)} worker(s): " + ", ".join(r.device for r in reports),
-            models=merge_model_stats(reports), loaded=sorted({m for r in reports for m in r.loaded}),
-            queue=sum(r.queue for r in reports) + sum(len(q) for q in self.queues)))
+        if isinstance(msg, StatsQuery):
+            self._reply(identity, StatsReport(
+                req=msg.req, worker=0, device=f"{len(answers)} worker(s): " + ", ".join(r.device for r in answers),
+                models=merge_model_stats(answers), loaded=sorted({m for r in answers for m in r.loaded}),
+                queue=sum(r.queue for r in answers) + sum(len(q) for q in self.queues)))
+            return
+        failed = next((a for a in answers if not a.ok), None)
+        self._reply(identity, LoadDone(req=msg.req, worker=0, model=msg.model, ok=failed is None,
+                                       code=failed.code if failed else "", message=failed.message if failed else ""))
 
     def _pump(self, worker: int) -> None:
         ring = self.inputs[worker]
@@ -347,7 +355,7 @@ class BridgeServer:
             audio = ring.ref(slot, offset, "float32", a_shape)
             self.workers[worker].send(encode(InferTask(
                 req=local, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames,
-                plan=[], deadline=task.deadline, enqueued=time.monotonic())))
+                plan=[], deadline=task.deadline, enqueued=time.monotonic(), version=task.version)))
 
     def _from_worker(self, msg) -> None:
         if isinstance(msg, ProcessEvent):
@@ -356,10 +364,10 @@ class BridgeServer:
         if isinstance(msg, ModelEvent):
             (self.models[msg.worker].add if msg.event == "loaded" else self.models[msg.worker].discard)(msg.model)
             return
-        if isinstance(msg, StatsReport) and msg.req in self.gathering:
+        if isinstance(msg, (StatsReport, LoadDone)) and msg.req in self.gathering:
             self.gathering[msg.req][2].discard(msg.worker)
             self.gathering[msg.req][3].append(msg)
-            self._stats_done(msg.req)
+            self._gathered(msg.req)
             return
         entry = self.pending.pop(msg.req, None)
         if entry is None:
@@ -396,9 +404,9 @@ class BridgeServer:
                         self._reply(identity, InferDone(req=edge_req, worker=0, ok=False, code="unavailable",
                                                         message="an inference worker on the GPU host died; retry"))
             self.queues[msg.index].clear()
-            for local in list(self.gathering):  # a dead worker's stats are not waited for
+            for local in list(self.gathering):  # a dead worker is not waited for
                 self.gathering[local][2].discard(msg.index)
-                self._stats_done(local)
+                self._gathered(local)
         elif msg.state == "ready":
             self._pump(msg.index)
 

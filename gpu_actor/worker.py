@@ -231,10 +231,10 @@ class InferenceWorker:
     def _visual_input(self, task: InferTask) -> np.ndarray:
         if task.visual is not None:
             return self.inputs.read(task.visual)
-        assets = self.assets.get(task.model)
+        assets = self.assets.get(task.model, task.version)
         crops = []
         for frame in task.frames:
-            _, crop, _ = self.store.fetch(task.model, frame, lambda f=frame: assets.decode(f), want_background=False)
+            _, crop, _ = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f), want_background=False)
             crops.append(crop)
         visual = self._visual[: task.batch]
         build_visual(crops, visual)
@@ -248,7 +248,7 @@ def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: Ten
         to_cpu[chunk.compositor].send(encode(CompositeTask(
             req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
             frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-            deadline=task.deadline)))
+            deadline=task.deadline, version=task.version)))
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

@@ -45,6 +45,7 @@ class InferTask(_Msg):
     quality: int = 75
     deadline: float = 0.0            # time.monotonic() (system-wide on Linux)
     enqueued: float = 0.0
+    version: int = 0                 # the frontend's token for the model's background files
 
 
 class ReleaseTask(_Msg):
@@ -84,6 +85,7 @@ class CompositeTask(_Msg):
     format: str
     quality: int
     deadline: float
+    version: int = 0
 
 
 # -- workers -> frontend ---------------------------------------------------------------------

@@ -82,6 +82,10 @@ def test_composite_through_the_bridge_has_single_host_pixels(tmp_path, models, k
             stats = c.stats()
             assert stats["workers"][0]["device"].startswith("2 worker(s)"), stats["workers"]
             assert stats["models"]["a"]["frames"] == 8 and stats["models"]["b"]["frames"] == 2, stats["models"]
+            # ... and `unload` for every worker that has the model.
+            for model in ("a", "b"):
+                assert c.unload(model)["loaded_on"] == []
+            assert c.stats()["workers"][0]["loaded"] == []
 
 
 def test_lost_gpu_host_gives_unavailable_then_recovers_without_edge_restart(tmp_path, models, keys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 import urllib.request
 
@@ -146,6 +147,27 @@ def test_load_unload_and_stats(server):
             c.load("broken")
         assert err.value.code in ("bad_request", "unknown_model") and "broken" in err.value.message
 
+
+def test_unload_takes_up_replaced_model_files(server, models):
+    """An avatar retrained and rewritten on disk: after `unload`, the next request serves the new files
+    (new model, frames, size and frame count), with no restart and no stale decoded frame."""
+    audio = np.random.default_rng(3).standard_normal((3, 32, 16, 16)).astype(np.float32)
+    make_avatar(models, "swap", n_frames=3, size=(320, 240), seed=1)
+    with server.client() as c:
+        header, images = c.composite("swap", audio, format="raw")
+        _, expected = expected_frames(models, "swap", audio, 0, 3)
+        for image, want in zip(images, expected):
+            np.testing.assert_array_equal(decode_image(image, "raw", header), want)
+        shutil.rmtree(models / "swap")
+        make_avatar(models, "swap", n_frames=4, size=(256, 192), seed=9)
+        assert c.unload("swap")["loaded_on"] == []
+        assert next(m for m in c.models() if m["id"] == "swap")["frames"] == 4
+        header, images = c.composite("swap", audio, start_frame=2, format="png")
+        assert (header["width"], header["height"]) == (256, 192) and header["frames"] == [2, 3, 3]
+        _, expected = expected_frames(models, "swap", audio, 2, 3)
+        for image, want in zip(images, expected):
+            np.testing.assert_array_equal(decode_image(image, "png", header), want)
+        c.unload("swap")
 
 VISUAL1 = np.zeros((1, 6, 320, 320), np.float32).tobytes()
 AUDIO1 = np.zeros((1, 32, 16, 16), np.float32).tobytes()
