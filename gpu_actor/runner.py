@@ -17,6 +17,45 @@ import onnxruntime as ort
 from config.assets import AssetError, ModelIO, classify_io
 
 
+class DeviceError(RuntimeError):
+    """A worker's device cannot run models at all; the message says what to install or configure."""
+
+
+def _providers(device: str, tensorrt: bool = False) -> list:
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    device_id = int(device.split(":")[1])
+    providers: list = [("CUDAExecutionProvider", {"device_id": device_id})]
+    if tensorrt:
+        providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
+    return providers
+
+
+def _require_cuda(session: ort.InferenceSession, device: str) -> None:
+    # NOTE: onnxruntime does not fail when the CUDA provider cannot load (no onnxruntime-gpu, or its
+    # CUDA / cuDNN libraries missing): it warns and runs on the CPU. A GPU worker must not.
+    if device != "cpu" and "CUDAExecutionProvider" not in session.get_providers():
+        raise DeviceError(
+            f"onnxruntime cannot use {device}: its CUDA provider did not load (it runs on {session.get_providers()}). "
+            "Install the gpu extra (LIPSYNC_EXTRAS=gpu: onnxruntime-gpu, which needs the CUDA 13 runtime, cuBLAS "
+            "and cuDNN 9 libraries) on a host with an NVIDIA driver, or set inference.devices: cpu")
+
+
+def check_device(device: str) -> None:
+    """At a worker's start: a one-node model on its device, so a GPU worker that would silently run on
+    the CPU refuses to start instead, with the cause."""
+    if device == "cpu":
+        return
+    from onnx import TensorProto, helper
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "device_check",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    _require_cuda(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
+
+
 def _dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
@@ -27,19 +66,14 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False) 
     if threads:
         options.intra_op_num_threads = threads
     options.log_severity_level = 3
-    if device == "cpu":
-        providers: list = ["CPUExecutionProvider"]
-    else:
-        device_id = int(device.split(":")[1])
-        providers = [("CUDAExecutionProvider", {"device_id": device_id})]
-        if tensorrt:
-            providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
     try:
-        return ort.InferenceSession(str(path), options, providers=providers)
+        session = ort.InferenceSession(str(path), options, providers=_providers(device, tensorrt))
     except Exception as err:  # onnxruntime raises its own exception types for bad files
         raise AssetError(f"{path}: onnxruntime cannot load it: {str(err).splitlines()[0][:300]}") from None
+    _require_cuda(session, device)
+    return session
 
 
 class ModelRunner:

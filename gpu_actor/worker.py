@@ -21,6 +21,7 @@ import zmq
 from config import Config
 from config.assets import AssetCache, AssetError, model_paths
 from gpu_actor.registry import Registry
+from gpu_actor.runner import check_device
 from gpu_actor.visual import build_visual
 from shm.child import child_main
 from shm.endpoints import RunSpec, make_socket
@@ -37,6 +38,7 @@ class InferenceWorker:
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
         self.config, self.run_spec, self.index = config, run, index
         self.device = run.devices[index]
+        check_device(self.device)
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)

@@ -13,7 +13,7 @@ import pytest
 from config.assets import AssetError, read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
-from gpu_actor.runner import ModelRunner
+from gpu_actor.runner import DeviceError, ModelRunner, check_device
 
 
 def _inputs(batch, audio_shape, seed=0):
@@ -70,6 +70,21 @@ def test_fixed_batch_model_is_split_and_padded_and_names_are_found_by_shape(tmp_
     for i in range(5):
         pair = {"image": np.repeat(visual[i:i + 1], 2, 0), "feats": np.repeat(feats[i:i + 1], 2, 0)}
         np.testing.assert_array_equal(out[i], _direct(path, pair)[0])
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider")
+def test_a_gpu_worker_never_runs_on_the_cpu_silently(tmp_path):
+    """onnxruntime falls back to the CPU when its CUDA provider cannot load; a worker for cuda:0 must
+    refuse instead, saying what to install or configure."""
+    path = write_model(tmp_path / "m.onnx", kind="tiny")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        check_device("cuda:0")
+        assert ModelRunner(path, "cuda:0").session.get_providers()[0] == "CUDAExecutionProvider"
+        return
+    with pytest.raises(DeviceError, match="inference.devices: cpu"):
+        check_device("cuda:0")
+    with pytest.raises(DeviceError, match="CUDA provider did not load"):
+        ModelRunner(path, "cuda:0")
 
 
 def test_broken_models_are_refused_with_the_reason(tmp_path):
