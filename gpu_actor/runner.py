@@ -54,6 +54,12 @@ def check_device(device: str) -> None:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     _require_cuda(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
+    from gpu_actor.cuda import device_memory_used  # cupy, which moves the tensors, must work there too
+    try:
+        device_memory_used(int(device.split(":")[1]))
+    except Exception as err:
+        raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install cupy-cuda13x, the gpu "
+                          "extra's build for the CUDA 13 runtime onnxruntime-gpu uses)") from None
 
 
 def _dims(shape) -> list:
