@@ -8,13 +8,14 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import numpy as np
 import pytest
 import zmq
 
 from frontend.client import AsyncClient, ClientTimeout, ServerError
-from tests.helpers import base_config, make_avatar, run_server
+from tests.helpers import base_config, free_port, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
 AUDIO = np.zeros((4, 32, 16, 16), np.float32)
@@ -30,8 +31,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    cfg = base_config(models, **{"limits.queue_depth": 2, "shm.slots": 1})
+    cfg = base_config(models, **{"limits.queue_depth": 2, "shm.slots": 1, "metrics.port": free_port()})
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
+        srv.metrics_port = cfg["metrics"]["port"]
         with srv.client() as c:
             c.load("slow")
         yield srv
@@ -159,6 +161,7 @@ def test_clients_that_vanish_mid_request_leave_no_slot_behind(server):
     """A DEALER that sends work and closes at once: the work ends, its reply is dropped by ZeroMQ, and
     every slot comes back (a raw reply's image slot too); with one slot per ring a leak would starve
     the next request."""
+    before = _client_gone(server)
     for fmt in ("raw", "jpeg", "raw"):
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -169,10 +172,23 @@ def test_clients_that_vanish_mid_request_leave_no_slot_behind(server):
         time.sleep(0.3)
         sock.close(linger=0)
         ctx.term()
+    # Each client had one request running and two queued (queue_depth 2): all nine end when their
+    # connection closes, the last three with no later request to prompt the frontend.
+    deadline = time.monotonic() + 2.0
+    while _client_gone(server) - before < 9:
+        assert time.monotonic() < deadline, _client_gone(server) - before
+        time.sleep(0.05)
     with server.client(timeout_s=60) as c:
         header, images = c.composite("slow", AUDIO, format="raw")
     assert header["ok"] and len(images) == 4
     assert _codes(asyncio.run(_burst(server.endpoint, 2, format="raw"))) == ["ok", "ok"]
+
+
+def _client_gone(server) -> float:
+    """Requests ended because their client went away, from the Prometheus endpoint (not a request)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+               if line.startswith("lipsync_requests_total{") and 'outcome="client_gone"' in line)
 
 
 def test_sigterm_finishes_in_flight_work_and_leaves_nothing(models, tmp_path):
