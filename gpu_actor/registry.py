@@ -77,6 +77,7 @@ class Registry:
         self.loading: dict[str, cf.Future] = {}
         self.stats: dict[str, ModelStats] = {}
         self.busy: Counter[str] = Counter()   # tasks queued or running, per model
+        self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
 
     def close(self) -> None:
@@ -90,6 +91,7 @@ class Registry:
 
     def start_load(self, model: str) -> bool:
         """Begin loading `model` unless it is loaded or loading; False if the id is unknown."""
+        self._unload_when_loaded.discard(model)   # the newer wish wins
         if model in self.loaded or model in self.loading:
             return True
         path = self._resolve(model)
@@ -138,7 +140,11 @@ class Registry:
                 stats.load_ms = result.load_ms
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
                 self._on_event(model, "loaded", result.load_ms, result.nbytes)
-                self._make_room(extra=0, keep=model)
+                if model in self._unload_when_loaded:
+                    self._unload_when_loaded.discard(model)
+                    self._drop(model, "unloaded")
+                else:
+                    self._make_room(extra=0, keep=model)
             done.append(result)
         return done
 
@@ -171,11 +177,13 @@ class Registry:
 
     def unload(self, model: str) -> bool:
         """Unload now if idle; returns False if it is busy (the caller reports it)."""
-        state = self.loaded.get(model)
-        if state is None:
-            return True
         if self.busy[model]:
             return False
+        if model in self.loading:  # the load thread cannot be stopped: drop the model when it is done
+            self._unload_when_loaded.add(model)
+            return True
+        if model not in self.loaded:
+            return True
         self._drop(model, "unloaded")
         return True
 

@@ -208,6 +208,22 @@ def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
     reg.close()
 
 
+def test_unload_during_a_load_drops_the_model_when_the_load_ends(ten_models):
+    events = []
+    reg = _registry(ten_models, events=events)
+    assert reg.start_load("m0") and "m0" in reg.loading
+    assert reg.unload("m0")
+    reg.loading["m0"].result(60)
+    reg.poll_loads()
+    assert "m0" not in reg.loaded and events == [("m0", "loaded"), ("m0", "unloaded")]
+    # A load asked for after the unload wins over it.
+    assert reg.start_load("m1") and reg.unload("m1") and reg.start_load("m1")
+    reg.loading["m1"].result(60)
+    reg.poll_loads()
+    assert "m1" in reg.loaded
+    reg.close()
+
+
 def test_model_io_is_read_without_decoding_weights_and_ignores_initializer_inputs(tmp_path):
     from onnx import helper
     model = build_model("tiny", "hubert", batch=4, visual_name="image")
