@@ -255,7 +255,7 @@ async def _bench(args) -> dict:
         sys.stderr.write("\n")
     lat = np.asarray(latencies) if latencies else np.zeros(1)
     breakdown = {k: float(np.mean([t[k] for t in timings])) if timings else 0.0
-                 for k in ("queue_ms", "inference_ms", "composite_ms", "total_ms")}
+                 for k in ("queue_ms", "input_ms", "inference_ms", "composite_ms", "total_ms")}
     return {"requests": len(latencies), "errors": errors, "batch": args.batch, "seconds": elapsed,
             "frames_per_s": len(latencies) * args.batch / elapsed,
             "latency_ms": {p: float(np.percentile(lat, q)) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},

@@ -74,6 +74,7 @@ class ErrorReply(msgspec.Struct, kw_only=True):
 
 class Timing(msgspec.Struct, kw_only=True):
     queue_ms: float = 0.0
+    input_ms: float = 0.0
     inference_ms: float = 0.0
     composite_ms: float = 0.0
     total_ms: float = 0.0

@@ -471,7 +471,7 @@ class Frontend:
         worker.ring.release_request(p.req)
         p.in_slot = False
         self._pump(worker)
-        p.timing.update(queue_ms=msg.queue_ms, inference_ms=msg.inference_ms)
+        p.timing.update(queue_ms=msg.queue_ms, input_ms=msg.input_ms, inference_ms=msg.inference_ms)
         self.metrics.latency.labels("queue").observe(msg.queue_ms)
         if not msg.ok:
             self.finish(p, code=msg.code, message=msg.message)

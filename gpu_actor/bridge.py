@@ -201,7 +201,8 @@ class RemoteWorker:
             out[...] = mouths.reshape(shape)
         ref = self.outputs.ref(slot, 0, "float32", shape)
         self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
-                                               queue_ms=msg.queue_ms, inference_ms=msg.inference_ms)))
+                                               queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
+                                               input_ms=msg.input_ms)))
         hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:

@@ -203,6 +203,7 @@ class InferenceWorker:
             return
         try:
             out = self.outputs.writable(slot, 0, "float32", (task.batch, 3, 320, 320))
+            t_input = time.perf_counter()
             visual = self._visual_input(task)
             audio = self.inputs.read(task.audio)
             t0 = time.perf_counter()
@@ -222,7 +223,8 @@ class InferenceWorker:
         self.registry.touch(task.model, task.batch)
         self.registry.stat(task.model).infer_ms.append(inference_ms)
         ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
-        self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms)
+        self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms,
+                   input_ms=(t0 - t_input) * 1000 if task.visual is None else 0.0)
         hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:

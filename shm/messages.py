@@ -99,6 +99,7 @@ class InferDone(_Msg):
     output: Optional[TensorRef] = None
     queue_ms: float = 0.0
     inference_ms: float = 0.0
+    input_ms: float = 0.0            # building an audio-only request's visual input from the avatar
 
 
 class CompositeDone(_Msg):

@@ -66,7 +66,10 @@ def test_audio_only_composite_matches_reference(server, models, fmt):
     frames, expected = expected_frames(models, "a", audio, 3, 4)
     assert header["frames"] == frames == [3, 4, 4, 3]
     assert (header["width"], header["height"], header["batch"], header["format"]) == (*SIZE, 4, fmt)
-    assert set(header["timing"]) == {"queue_ms", "inference_ms", "composite_ms", "total_ms"}
+    timing = header["timing"]
+    assert set(timing) == {"queue_ms", "input_ms", "inference_ms", "composite_ms", "total_ms"}
+    assert timing["input_ms"] > 0  # the visual input was built from the avatar
+    assert timing["queue_ms"] + timing["input_ms"] + timing["inference_ms"] + timing["composite_ms"] <= timing["total_ms"]
     assert len(images) == 4
     for image, want in zip(images, expected):
         got = decode_image(image, fmt, header)
@@ -83,6 +86,7 @@ def test_visual_and_audio_composite_with_one_audio_window(server, models):
     window = rng.standard_normal((32, 16, 16)).astype(np.float32)
     with server.client() as c:
         header, images = c.composite("a", window, visual=visual, format="raw")
+    assert header["timing"]["input_ms"] == 0  # the client sent it
     _, expected = expected_frames(models, "a", window, 0, 3, visual=visual)
     for image, want in zip(images, expected):
         np.testing.assert_array_equal(decode_image(image, "raw", header), want)
