@@ -128,11 +128,9 @@ class RemoteWorker:
 
     def _from_frontend(self, msg) -> None:
         if isinstance(msg, InferTask):
-            if self.state == "unreachable":
-                self._done(msg.req, "unavailable", f"GPU host {self.endpoint} is unreachable; retry")
-                return
-            if self.state == "starting":
-                self._done(msg.req, "unavailable", f"GPU host {self.endpoint} has no ready inference worker; retry")
+            not_ready = {"unreachable": "is unreachable", "starting": "has no ready inference worker"}.get(self.state)
+            if not_ready:
+                self._done(msg.req, "unavailable", f"GPU host {self.endpoint} {not_ready}; retry")
                 return
             frames = [encode(msg)]
             if msg.visual is not None:
