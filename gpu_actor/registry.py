@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 
 from config.assets import AssetError
-from gpu_actor.runner import ModelRunner
+from gpu_actor.runner import ModelRunner, cuda_id
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Registry:
         if self.device == "cpu":
             return psutil.Process().memory_info().rss
         from gpu_actor.cuda import device_memory_used
-        return device_memory_used(int(self.device.split(":")[1]))
+        return device_memory_used(cuda_id(self.device))
 
     def poll_loads(self) -> list[LoadResult]:
         """Finished loads, now in the loaded set (or failed); call from the worker loop."""

@@ -21,10 +21,15 @@ class DeviceError(RuntimeError):
     """A worker's device cannot run models at all; the message says what to install or configure."""
 
 
+def cuda_id(device: str) -> int:
+    """The GPU index of a worker's device string, "cuda:N"."""
+    return int(device.split(":")[1])
+
+
 def _providers(device: str, tensorrt: bool = False) -> list:
     if device == "cpu":
         return ["CPUExecutionProvider"]
-    device_id = int(device.split(":")[1])
+    device_id = cuda_id(device)
     providers: list = [("CUDAExecutionProvider", {"device_id": device_id})]
     if tensorrt:
         providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
@@ -56,7 +61,7 @@ def check_device(device: str) -> None:
     _require_cuda(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
     from gpu_actor.cuda import device_memory_used  # cupy, which moves the tensors, must work there too
     try:
-        device_memory_used(int(device.split(":")[1]))
+        device_memory_used(cuda_id(device))
     except Exception as err:
         raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install cupy-cuda13x, the gpu "
                           "extra's build for the CUDA 13 runtime onnxruntime-gpu uses)") from None
@@ -93,7 +98,7 @@ class ModelRunner:
         self._cuda = None
         if device != "cpu":
             from gpu_actor.cuda import CudaBinding
-            self._cuda = CudaBinding(self.session, self.io, int(device.split(":")[1]))
+            self._cuda = CudaBinding(self.session, self.io, cuda_id(device))
 
     def run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray) -> None:
         """visual [B,6,320,320], audio [B,*A], out [B,3,320,320]: float32, C-contiguous."""
