@@ -110,7 +110,7 @@ class CompositingProcess:
 def run(models_dir: str, model_id: str, frames: int = 96, rounds: int = 3) -> dict:
     from pathlib import Path
     root = Path(models_dir) / model_id
-    assets = load_assets(ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json"))
+    assets = load_assets(ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json"), (4096, 4096))
     rng = np.random.default_rng(0)
     mouths = rng.random((BATCH, 3, 320, 320), dtype=np.float32)
     fmts = ["jpeg", "png", "raw"]

@@ -4,6 +4,7 @@ Imports no other room of this project. Every process receives a frozen `Config`.
 """
 
 from config.loader import ConfigError, load_config, parse_config, resolve_path
-from config.schema import MODEL_ID_PATTERN, Config
+from config.geometry import MODEL_ID_PATTERN
+from config.schema import Config
 
 __all__ = ["Config", "ConfigError", "MODEL_ID_PATTERN", "load_config", "parse_config", "resolve_path"]

@@ -11,8 +11,12 @@ empty boxes and boxes wholly outside the frame are refused, naming the file and 
 from __future__ import annotations
 
 import hashlib
+import struct
 import json
+import math
 import re
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -20,31 +24,20 @@ from typing import Optional
 
 import cv2
 import numpy as np
+import simplejpeg
 
+from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE, valid_model_id
 from config.loader import resolve_path
-from config.schema import MODEL_ID_PATTERN, Config
+from config.schema import Config
 
-CROP_SIZE = 328          # SyncTalk_2D resizes the face crop to 328x328 ...
-INNER = slice(4, 324)    # ... and the model sees / produces its centre 320x320
-VISUAL_SHAPE = (6, 320, 320)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-_MODEL_ID = re.compile(MODEL_ID_PATTERN)
-
-
-def mouths_to_uint8(mouths: np.ndarray) -> np.ndarray:
-    """SyncTalk_2D's `np.uint8(P * 255)`: floor(255 * P) clipped to 0..255, layout kept (CHW).
-    The compositor and the bridge both use it, so pixels match wherever the conversion runs."""
-    scaled = np.multiply(mouths, np.float32(255), dtype=np.float32)
-    np.clip(scaled, 0, 255, out=scaled)
-    return scaled.astype(np.uint8)
+MAX_COORDINATE = 1_000_000
+ERROR_TTL_S = 5.0        # a broken model's files are read again after this long
+MAX_CACHED = 4096        # models whose assets (or errors) one process keeps
 
 
 class AssetError(ValueError):
     """A model's files cannot be used; the message names the file (and index) and the fix."""
-
-
-def valid_model_id(model_id: object) -> bool:
-    return isinstance(model_id, str) and _MODEL_ID.match(model_id) is not None
 
 
 @dataclass(frozen=True)
@@ -120,10 +113,16 @@ def parse_crop_rects(path: Path) -> np.ndarray:
         raise AssetError(f"{path}: expected {{\"0\": {{\"rect\": [x1,y1,x2,y2]}}, ...}} or [[x1,y1,x2,y2], ...]")
     rects = np.zeros((len(items), 4), np.int64)
     for i, (key, rect) in enumerate(items):
-        if not (isinstance(rect, list) and len(rect) == 4 and all(isinstance(v, (int, float)) for v in rect)):
-            raise AssetError(f"{path}: index {key}: expected a rect [x1, y1, x2, y2] of numbers, got {rect!r}")
+        if not (isinstance(rect, list) and len(rect) == 4 and all(_coordinate(v) for v in rect)):
+            raise AssetError(f"{path}: index {key}: expected a rect [x1, y1, x2, y2] of finite pixel coordinates "
+                             f"(|v| <= {MAX_COORDINATE}), got {str(rect)[:200]}")
         rects[i] = [int(v) for v in rect]
     return rects
+
+
+def _coordinate(v: object) -> bool:
+    # NOTE: JSON from Python's parser may hold NaN, Infinity and arbitrarily large integers; bool is an int.
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_COORDINATE
 
 
 def frame_index(k: int, n: int, order: str = "mirror") -> int:
@@ -148,11 +147,42 @@ def clip_rects(rects: np.ndarray, width: int, height: int, source: Path) -> np.n
     return clipped
 
 
-def read_image(path: Path) -> np.ndarray:
-    image = cv2.imread(str(path), cv2.IMREAD_COLOR)
+def image_size(data: bytes, path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR or a JPEG's frame header, before anything is decoded: a file
+    whose header claims 60000x60000 pixels is refused instead of allocating 10 GB."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR":
+        width, height = struct.unpack(">II", data[16:24])
+        return width, height
+    if data[:2] == b"\xff\xd8":
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            return width, height
+        except ValueError as err:
+            raise AssetError(f"{path}: not a readable JPEG ({err})") from None
+    raise AssetError(f"{path}: neither a PNG nor a JPEG file")
+
+
+def read_image(path: Path, max_size: tuple[int, int], size: Optional[tuple[int, int]] = None) -> np.ndarray:
+    """Decode a background frame of at most `max_size` pixels (and exactly `size`, when given)."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise AssetError(f"{path}: cannot read it: {err.strerror}") from None
+    width, height = image_size(data, path)
+    _check_size(path, width, height, max_size, size)
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if image is None:
         raise AssetError(f"{path}: cannot decode this image")
     return image
+
+
+def _check_size(path: Path, width: int, height: int, max_size: tuple[int, int], size) -> None:
+    if width > max_size[0] or height > max_size[1] or not width or not height:
+        raise AssetError(f"{path}: frame is {width}x{height}, more than compositing.max_frame_width x "
+                         f"max_frame_height ({max_size[0]}x{max_size[1]}); raise them or use smaller frames")
+    if size is not None and (width, height) != size:
+        raise AssetError(f"{path}: frame is {width}x{height}, the others are {size[0]}x{size[1]}; every frame of "
+                         "a model must have one size")
 
 
 @dataclass(frozen=True)
@@ -166,6 +196,7 @@ class AvatarAssets:
     height: int
     order: str
     version: int = 0      # changes when a frame file or the rects file is replaced (see files_version)
+    max_size: tuple[int, int] = (8192, 8192)   # compositing.max_frame_width, max_frame_height
 
     @property
     def n_frames(self) -> int:
@@ -179,12 +210,18 @@ class AvatarAssets:
     def frame_index(self, k: int) -> int:
         return frame_index(k, self.n_frames, self.order)
 
+    def check_frames(self, frames) -> None:
+        """Refuse background indices these files do not have (the files changed under a request)."""
+        bad = next((k for k in frames if not 0 <= k < self.n_frames), None)
+        if bad is not None:
+            raise AssetError(f"model {self.model_id}: background frame {bad} does not exist: "
+                             f"{self.frame_files[0].parent} has {self.n_frames} frames (were its files replaced? "
+                             "`unload` the model after replacing them)")
+
     def decode(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """Background frame `index` and its 328x328 bicubic crop C (step 1 of the compositing)."""
-        bg = read_image(self.frame_files[index])
-        if bg.shape[:2] != (self.height, self.width):
-            raise AssetError(f"{self.frame_files[index]}: frame is {bg.shape[1]}x{bg.shape[0]}, the others are "
-                             f"{self.width}x{self.height}; every frame of a model must have one size")
+        self.check_frames((index,))
+        bg = read_image(self.frame_files[index], self.max_size, (self.width, self.height))
         return bg, crop_328(bg, self.rects[index])
 
 
@@ -203,18 +240,27 @@ def files_version(files) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def load_assets(paths: ModelPaths) -> AvatarAssets:
-    """Validate a model's background assets (decodes only the first frame, for the size)."""
+def load_assets(paths: ModelPaths, max_size: tuple[int, int]) -> AvatarAssets:
+    """Validate a model's background assets (reads only the first frame's header, for the size)."""
     files = list_frames(paths.frames)
     rects = parse_crop_rects(paths.crop_rects)
     if len(rects) < len(files):
         raise AssetError(f"{paths.crop_rects}: {len(rects)} rects for {len(files)} frames in {paths.frames}; "
                          f"index {len(rects)} and later have no crop box")
-    first = read_image(files[0])
-    height, width = first.shape[:2]
+    try:
+        with open(files[0], "rb") as f:
+            head = f.read(64 * 1024)   # a JPEG's frame header may follow its EXIF data
+    except OSError as err:
+        raise AssetError(f"{files[0]}: cannot read it: {err.strerror}") from None
+    width, height = image_size(head, files[0])
+    _check_size(files[0], width, height, max_size, None)
     clipped = clip_rects(rects[: len(files)], width, height, paths.crop_rects)
     return AvatarAssets(paths.model_id, tuple(files), clipped, width, height, paths.frame_order,
-                        files_version([paths.crop_rects, *files]))
+                        files_version([paths.crop_rects, *files]), max_size)
+
+
+def max_frame_size(config: Config) -> tuple[int, int]:
+    return config.compositing.max_frame_width, config.compositing.max_frame_height
 
 
 # -- the model file -----------------------------------------------------------------------------
@@ -251,7 +297,7 @@ def classify_io(inputs: list[tuple[str, list]], outputs: list[tuple[str, list]],
     o_name, o_shape = outputs[0]
     if len(a_shape) < 2 or not static(a_shape[1:]):
         raise AssetError(f"{source}: audio input {a_name} must have a static shape after the batch dim, got {a_shape}")
-    if len(o_shape) != 4 or list(o_shape[1:]) != [3, 320, 320]:
+    if len(o_shape) != 4 or list(o_shape[1:]) != list(MOUTH_SHAPE):
         raise AssetError(f"{source}: output {o_name} must be [B,3,320,320], got {o_shape}")
     batches = {d for d in (v_shape[0], a_shape[0], o_shape[0]) if isinstance(d, int) and d > 0}
     if len(batches) > 1:
@@ -259,104 +305,42 @@ def classify_io(inputs: list[tuple[str, list]], outputs: list[tuple[str, list]],
     return ModelIO(v_name, a_name, o_name, tuple(int(d) for d in a_shape[1:]), batches.pop() if batches else None)
 
 
-def _varint(buf, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf, start: int, end: int):
-    """(field number, start, end) of each length-delimited field of a protobuf message; others skipped."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            _, pos = _varint(buf, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            length, pos = _varint(buf, pos)
-            yield number, pos, pos + length
-            pos += length
-        else:
-            raise ValueError(f"unexpected protobuf wire type {wire}")
-
-
-_GRAPH, _INPUT, _OUTPUT, _INITIALIZER, _TENSOR_NAME = 7, 11, 12, 5, 8
-
-
-def _scan_io(path: Path):
-    """Graph inputs, outputs and initializer names, read without decoding the weights (a 48 MB model
-    takes ~1 ms instead of ~190 ms for onnx.load: it matters with thousands of models)."""
-    import mmap
-
-    import onnx
-
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        graph = next(((a, b) for n, a, b in _fields(buf, 0, len(buf)) if n == _GRAPH), None)
-        if graph is None:
-            raise ValueError("no graph")
-        inputs, outputs, initializers = [], [], set()
-        for number, a, b in _fields(buf, *graph):
-            if number == _INPUT:
-                inputs.append(onnx.ValueInfoProto.FromString(buf[a:b]))
-            elif number == _OUTPUT:
-                outputs.append(onnx.ValueInfoProto.FromString(buf[a:b]))
-            elif number == _INITIALIZER:
-                name = next((buf[x:y] for n, x, y in _fields(buf, a, b) if n == _TENSOR_NAME), b"")
-                initializers.add(name.decode())
-    return inputs, outputs, initializers
-
-
-def read_model_io(path: Path) -> ModelIO:
-    """Read a model's I/O from the ONNX file without creating an inference session."""
-    if not path.exists():
-        raise AssetError(f"{path}: model file is missing")
-    try:
-        inputs, outputs, initializers = _scan_io(path)
-    except Exception:  # not what the fast scan expects: let onnx itself read (and judge) the file
-        import onnx
-        try:
-            model = onnx.load(str(path), load_external_data=False)
-        except Exception as err:  # onnx raises DecodeError and friends on garbage
-            raise AssetError(f"{path}: not a readable ONNX model ({type(err).__name__}: {err})") from None
-        inputs, outputs = list(model.graph.input), list(model.graph.output)
-        initializers = {t.name for t in model.graph.initializer}
-
-    def dims(value) -> list:
-        return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in value.type.tensor_type.shape.dim]
-
-    return classify_io([(v.name, dims(v)) for v in inputs if v.name not in initializers],
-                       [(v.name, dims(v)) for v in outputs], str(path))
-
-
 class AssetCache:
     """Validated assets per model id, loaded on first use in this process.
 
     `version` is the frontend's token for the files it last read (tasks carry it): a task with another
-    token than the cached entry was loaded for makes this process read the files again, once."""
+    token than the cached entry was loaded for makes this process read the files again, once.
+    A failure is cached too (for ERROR_TTL_S), so a broken model costs one read, not one per request;
+    at most MAX_CACHED models are kept, least recently used first out."""
 
     def __init__(self, config: Config):
         self._config = config
-        self._assets: dict[str, tuple[int, AvatarAssets]] = {}
+        self._assets: OrderedDict[str, tuple[int, AvatarAssets | AssetError, float]] = OrderedDict()
 
     def get(self, model_id: str, version: int = 0) -> AvatarAssets:
         cached = self._assets.get(model_id)
         if cached is not None and (cached[0] == version or not version):
-            return cached[1]
+            found, at = cached[1], cached[2]
+            if isinstance(found, AvatarAssets):
+                self._assets.move_to_end(model_id)
+                return found
+            if time.monotonic() - at < ERROR_TTL_S:
+                raise found
+        try:
+            found = self._read(model_id)
+        except AssetError as err:
+            found = err
+        self._assets[model_id] = (version, found, time.monotonic())
+        self._assets.move_to_end(model_id)
+        while len(self._assets) > MAX_CACHED:
+            self._assets.popitem(last=False)
+        if isinstance(found, AssetError):
+            raise found
+        return found
+
+    def _read(self, model_id: str) -> AvatarAssets:
         paths = model_paths(self._config, model_id)
         if paths is None:
             raise AssetError(f"unknown model {model_id!r}: no such entry in `models` and no such directory "
                              "in `models_dir`")
-        assets = load_assets(paths)
-        self._assets[model_id] = (version, assets)
-        return assets
+        return load_assets(paths, max_frame_size(self._config))

@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from config.assets import INNER, mouths_to_uint8
+from config.geometry import INNER, mouths_to_uint8
 
 try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
     from fpng import fpng_ext as _fpng

@@ -103,7 +103,7 @@ class Compositor:
         model, frame, assets = item
         try:
             self.store.fetch(assets.store_id, frame, lambda: assets.decode(frame), want_background=False)
-        except (AssetError, StoreError) as err:
+        except Exception as err:  # a broken avatar must not crash-loop the compositors
             log.warning("compositing.preload: %s frame %d: %s", model, frame, err)
 
     def _reply(self, task: CompositeTask, frames=(), **fields) -> None:
@@ -122,6 +122,7 @@ class Compositor:
             mouths_u8 = [mouth_to_uint8(m) for m in mouths]
             ring.verify(task.mouths)
             assets = self.assets.get(task.model, task.version)
+            assets.check_frames(task.frames)
             targets, images = self._targets(task, assets.height, assets.width)
             encoded, hits = [], 0
             for i, (frame, mouth) in enumerate(zip(task.frames, mouths_u8)):
@@ -144,6 +145,12 @@ class Compositor:
             return
         except RingError as err:
             self._reply(task, code="internal", message=str(err))
+            return
+        except Exception as err:  # a bug or a file nobody foresaw: fail this request, keep the process
+            log.exception("compositing model %s failed", task.model)
+            self.images.release_request(task.req)
+            self._reply(task, code="internal", message=f"compositing model {task.model} failed: "
+                        f"{type(err).__name__}: {err}")
             return
         self._reply(task, encoded, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                     height=assets.height, hits=hits, misses=len(task.frames) - hits, images=images)

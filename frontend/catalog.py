@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from config import Config
-from config.assets import AssetError, list_model_ids, load_assets, model_paths, read_model_io
+from config.assets import AssetError, list_model_ids, load_assets, max_frame_size, model_paths
+from frontend.onnx_io import read_model_io
 
 ERROR_TTL_S = 5.0
 
@@ -67,7 +68,7 @@ class Catalog:
                                 "such directory in `models_dir` (op `models` lists them)", time.monotonic())
         try:
             io = read_model_io(paths.onnx)
-            assets = load_assets(paths)
+            assets = load_assets(paths, max_frame_size(self.config))
         except AssetError as err:
             code = "unknown_model" if "missing" in str(err) else "bad_request"
             return CatalogError(code, f"model {model_id}: {err}", time.monotonic())

@@ -12,12 +12,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from config.geometry import MODEL_ID_PATTERN, MOUTH_SHAPE
 
-VISUAL_SHAPE = (6, 320, 320)   # unmasked crop (BGR/255) then masked crop, CHW
-MOUTH_SHAPE = (3, 320, 320)    # model output: BGR in [0, 1], CHW
-MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-DEFAULT_QUALITY = 75
+PROTOCOL_VERSION = 1
 
 
 class Op(str, enum.Enum):
@@ -167,4 +164,9 @@ def encode(message: msgspec.Struct) -> bytes:
 
 
 def error_reply(request_id: RequestId, code: ErrorCode, message: str) -> bytes:
-    return encode(ErrorReply(id=request_id, error=ErrorBody(code, message)))
+    """Always encodable: text a client sent (an id, a key name) may hold what UTF-8 cannot carry."""
+    try:
+        return encode(ErrorReply(id=request_id, error=ErrorBody(code, message)))
+    except UnicodeEncodeError:
+        scrubbed = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return encode(ErrorReply(id=None, error=ErrorBody(code, scrubbed)))

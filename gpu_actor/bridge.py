@@ -28,7 +28,7 @@ import numpy as np
 import zmq
 
 from config import Config
-from config.assets import mouths_to_uint8
+from config.geometry import mouths_to_uint8
 from gpu_actor.worker import hand_off
 from shm.child import child_main
 from shm.curve import make_client, make_server, public_keys_in, start_authenticator

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from config.assets import INNER
+from config.geometry import INNER
 
 MASK_ROWS, MASK_COLS = slice(5, 310), slice(5, 315)
 _255 = np.float32(255)

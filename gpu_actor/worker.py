@@ -220,6 +220,12 @@ class InferenceWorker:
             self.outputs.release(slot)
             self._done(task, "bad_request", str(err))
             return
+        except Exception as err:  # onnxruntime's own errors, or a bug: this request fails, not the worker
+            log.exception("running model %s failed", task.model)
+            self.outputs.release(slot)
+            self._done(task, "internal", f"model {task.model} failed to run: {type(err).__name__}: "
+                       f"{str(err).splitlines()[0][:300] if str(err) else ''}")
+            return
         self.registry.touch(task.model, task.batch)
         self.registry.stat(task.model).infer_ms.append(inference_ms)
         ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
@@ -236,6 +242,7 @@ class InferenceWorker:
         if task.visual is not None:
             return self.inputs.read(task.visual)
         assets = self.assets.get(task.model, task.version)
+        assets.check_frames(task.frames)
         crops = []
         for frame in task.frames:
             _, crop, _ = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f), want_background=False)

@@ -23,7 +23,7 @@ import zmq
 from config import Config
 from cpu_actor.worker import run_cpu_process
 from frontend.server import run_frontend_process
-from frontend.validate import VISUAL_BYTES
+from config.geometry import MOUTH_BYTES, input_slot_bytes
 from gpu_actor.bridge import run_bridge_process, run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
@@ -33,7 +33,6 @@ from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
 
 log = logging.getLogger("supervisor")
-MOUTH_BYTES = 3 * 320 * 320 * 4
 ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process,
                                 "bridge": run_bridge_process, "remote": run_remote_worker_process}
 ROLES = ("all", "gpu", "edge")
@@ -99,6 +98,10 @@ def _cuda_device_count() -> int:
 class Supervisor:
     def __init__(self, config: Config, role: str = "all"):
         self.config, self.role = config, role
+        if role == "gpu" and not config.bridge.secret_key and not config.bridge.insecure_plaintext:
+            raise StartError("--role gpu needs bridge.secret_key and bridge.authorized_keys (`python -m supervisor "
+                             "keys DIR NAME` writes key pairs), or bridge.insecure_plaintext: true for a trusted "
+                             "network (docs/security.md)")
         self._stop = False
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
@@ -127,7 +130,7 @@ class Supervisor:
         devices = resolve_devices(cfg, self.role)
         prefix = run_prefix(cfg.shm.prefix)
         lim = cfg.limits
-        in_bytes = lim.max_batch * VISUAL_BYTES + 64 + lim.max_batch * lim.max_audio_elements * 4
+        in_bytes = input_slot_bytes(lim.max_batch, lim.max_audio_elements)
         out_bytes = lim.max_batch * MOUTH_BYTES
         inputs = tuple(RingSpec.for_bytes(f"{prefix}-in{i}", cfg.shm.slots, in_bytes) for i in range(len(devices)))
         outputs = tuple(RingSpec.for_bytes(f"{prefix}-out{i}", cfg.shm.slots, out_bytes) for i in range(len(devices)))
@@ -294,7 +297,9 @@ class Supervisor:
                 out.append(f"frontend.bind {exposed} is not loopback and frontend.curve is off: any client that "
                            "reaches it can use every model (docs/security.md)")
         if self.role == "gpu" and not cfg.bridge.secret_key:
-            out.append("bridge.secret_key is not set: the bridge is plaintext and accepts any edge (docs/security.md)")
+            out.append("bridge.insecure_plaintext: the bridge is plaintext and accepts any edge (docs/security.md)")
+        if self.role != "gpu" and cfg.bridge.hosts and not cfg.bridge.client_secret_key:
+            out.append("bridge.insecure_plaintext: the bridge to the GPU hosts is plaintext (docs/security.md)")
         return out
 
     def summary(self) -> str:

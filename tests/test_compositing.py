@@ -32,7 +32,7 @@ RECTS = {
 def avatar(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     make_avatar(root, "a", n_frames=len(RECTS), size=(W, H), rects=list(RECTS.values()))
-    return load_assets(ModelPaths("a", root / "a" / "model.onnx", root / "a" / "frames", root / "a" / "crop_rects.json"))
+    return load_assets(ModelPaths("a", root / "a" / "model.onnx", root / "a" / "frames", root / "a" / "crop_rects.json"), (4096, 4096))
 
 
 @pytest.mark.parametrize("index, where", list(enumerate(RECTS)))
@@ -90,29 +90,29 @@ def _paths(d):
 def test_bad_rects_are_refused_naming_file_and_index(tmp_path, rects, message):
     d = make_avatar(tmp_path, "x", n_frames=3, rects=rects, rect_form="list")
     with pytest.raises(AssetError, match=message):
-        load_assets(_paths(d))
+        load_assets(_paths(d), (4096, 4096))
 
 
 def test_missing_frames_and_bad_files_are_refused(tmp_path):
     d = make_avatar(tmp_path, "x", n_frames=2)
     (d / "crop_rects.json").write_text("{not json")
     with pytest.raises(AssetError, match="crop_rects.json: not readable JSON"):
-        load_assets(_paths(d))
+        load_assets(_paths(d), (4096, 4096))
     (d / "crop_rects.json").unlink()
     with pytest.raises(AssetError, match="crop rects file is missing"):
-        load_assets(_paths(d))
+        load_assets(_paths(d), (4096, 4096))
     for f in (d / "frames").iterdir():
         f.unlink()
     with pytest.raises(AssetError, match=r"frames: no \*.png or \*.jpg"):
-        load_assets(_paths(d))
+        load_assets(_paths(d), (4096, 4096))
     (d / "frames").rmdir()
     with pytest.raises(AssetError, match="frames directory is missing"):
-        load_assets(_paths(d))
+        load_assets(_paths(d), (4096, 4096))
 
 
 def test_frames_in_natural_name_order(tmp_path):
     d = make_avatar(tmp_path, "x", n_frames=12, rect_form="list")
-    names = [p.name for p in load_assets(_paths(d)).frame_files]
+    names = [p.name for p in load_assets(_paths(d), (4096, 4096)).frame_files]
     assert names == [f"{k}.png" for k in range(12)]
 
 
