@@ -27,12 +27,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from config import Config, resolve_path
 from config.assets import frame_index
+from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset
 from frontend import control
 from frontend import protocol as P
 from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.metrics import Metrics
 from frontend.state import Client, Pending, Proc, Tenant, Worker
-from frontend.validate import VISUAL_BYTES, RequestError, check_request, check_tensors, parse_header
+from frontend.validate import RequestError, check_message, check_request, check_tensors, parse_header
 from shm.child import child_main
 from shm.curve import load_public, make_server, start_authenticator
 from shm.endpoints import RunSpec, make_socket
@@ -43,7 +44,6 @@ from shm.ring import SlotRing, StaleHandle
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
 TRACKER_POLL_S = 0.002
-AUDIO_ALIGN = 64
 
 
 class Frontend:
@@ -300,6 +300,8 @@ class Frontend:
         if self.tenants is not None:
             client.tenant = self.tenants.get(body[0].get("User-Id"))
         try:
+            lim = self.config.limits
+            check_message([len(f.buffer) for f in body], lim.max_header_bytes, lim.max_message_bytes)
             header = parse_header(body[0].bytes)
             payload = [f.buffer for f in body[1:]]
             check_request(header, payload, self.config.limits.max_batch)
@@ -412,10 +414,10 @@ class Frontend:
         batch, t = p.header.batch, p.tensors
         ring, offset, visual_ref = worker.ring, 0, None
         if t.visual is not None:
-            shape = (batch, 6, 320, 320)
+            shape = (batch, *VISUAL_SHAPE)
             ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(t.visual, "<f4").reshape(shape)
             visual_ref = ring.ref(slot, 0, "float32", shape)
-            offset = (batch * VISUAL_BYTES + AUDIO_ALIGN - 1) // AUDIO_ALIGN * AUDIO_ALIGN
+            offset = audio_offset(batch * VISUAL_BYTES)
         a_shape = (batch, *p.spec.audio_shape)
         audio = np.frombuffer(t.audio, "<f4")
         ring.writable(slot, offset, "float32", a_shape)[...] = audio.reshape(a_shape if t.audio_per_frame

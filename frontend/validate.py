@@ -10,9 +10,10 @@ from typing import Any, Optional
 
 import msgspec
 
-from frontend.protocol import MODEL_OPS, TENSOR_OPS, VISUAL_SHAPE, ErrorCode, Op, RequestHeader, RequestId
+from config.geometry import VISUAL_BYTES
 
-VISUAL_BYTES = 4 * VISUAL_SHAPE[0] * VISUAL_SHAPE[1] * VISUAL_SHAPE[2]
+MAX_FRAMES = 3          # header + visual + audio, the most any op takes
+from frontend.protocol import MODEL_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
 
 
 class RequestError(Exception):
@@ -41,19 +42,50 @@ def _schema_message(err: msgspec.ValidationError) -> str:
     return f"{where}: {body[0].lower()}{body[1:]}"
 
 
+def check_message(sizes: list[int], max_header_bytes: int, max_message_bytes: int) -> None:
+    """Bounds on the whole message (frame byte sizes after the envelope), checked before any parsing.
+    libzmq's ZMQ_MAXMSGSIZE bounds each frame only, not their number or their sum."""
+    if len(sizes) > MAX_FRAMES:
+        raise _bad(f"message: {len(sizes)} frames; a request is a header and at most {MAX_FRAMES - 1} payload frames")
+    if sizes and sizes[0] > max_header_bytes:
+        raise _bad(f"header: {sizes[0]} bytes, more than limits.max_header_bytes ({max_header_bytes})")
+    total = sum(sizes)
+    if total > max_message_bytes:
+        raise _bad(f"message: {total} bytes in all, more than limits.max_message_bytes ({max_message_bytes}); "
+                   "split the request")
+
+
 def parse_header(raw: bytes) -> RequestHeader:
     """JSON header -> RequestHeader, or RequestError(bad_request) that still echoes a readable id."""
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise _bad("header: JSON nested too deeply; send a flat JSON object such as {\"op\": \"health\"}") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise _bad(f"header: not valid UTF-8 JSON ({err}); send a JSON object such as {{\"op\": \"health\"}}") from None
     if not isinstance(data, dict):
         raise _bad("header: expected a JSON object such as {\"op\": \"health\"}")
-    request_id = data.get("id") if isinstance(data.get("id"), (str, int)) and not isinstance(data.get("id"), bool) else None
+    request_id = data.get("id")
+    if isinstance(request_id, str) and not _encodable(request_id):
+        # NOTE: JSON can spell a lone surrogate ("\ud800") that UTF-8 cannot carry back: a reply that
+        # echoed it could not be sent at all.
+        raise _bad("header.id: not valid Unicode (a lone surrogate); use a plain string or an integer")
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        request_id = None
     try:
         return msgspec.convert(data, RequestHeader, strict=True)
     except msgspec.ValidationError as err:
         raise _bad(_schema_message(err), request_id) from None
+    except RecursionError:
+        raise _bad("header: a value is nested too deeply", request_id) from None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,174 @@
+"""Hostile clients and broken tenant files against one real server: every request gets exactly one typed
+reply, nothing leaks, and no process dies (the pids before and after are the same)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import zlib
+
+import numpy as np
+import onnx
+import pytest
+import zmq
+from onnx import TensorProto, helper
+
+from tests.helpers import base_config, make_avatar, run_server
+
+pytestmark = pytest.mark.slow
+AUDIO1 = np.zeros((1, 32, 16, 16), np.float32).tobytes()
+
+
+def write_failing_model(path) -> None:
+    """Valid I/O, but `Reshape`s its output to the shape in audio[0, 0, 0, :4]: all-zero audio keeps the
+    shape (ONNX copies a 0 dim), any other values make onnxruntime fail at run time."""
+    nodes = [
+        helper.make_node("Constant", [], ["flat"], value=helper.make_tensor("f", TensorProto.INT64, [1], [-1])),
+        helper.make_node("Reshape", ["audio", "flat"], ["a1"]),
+        helper.make_node("Constant", [], ["s0"], value=helper.make_tensor("s0v", TensorProto.INT64, [1], [0])),
+        helper.make_node("Constant", [], ["s4"], value=helper.make_tensor("s4v", TensorProto.INT64, [1], [4])),
+        helper.make_node("Constant", [], ["s3"], value=helper.make_tensor("s3v", TensorProto.INT64, [1], [3])),
+        helper.make_node("Constant", [], ["ax1"], value=helper.make_tensor("ax1v", TensorProto.INT64, [1], [1])),
+        helper.make_node("Slice", ["a1", "s0", "s4"], ["a4"]),
+        helper.make_node("Cast", ["a4"], ["shape"], to=TensorProto.INT64),
+        helper.make_node("Slice", ["input", "s0", "s3", "ax1"], ["rgb"]),
+        helper.make_node("Reshape", ["rgb", "shape"], ["output"]),
+    ]
+    graph = helper.make_graph(nodes, "fails_on_loud_audio",
+                              [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["b", 6, 320, 320]),
+                               helper.make_tensor_value_info("audio", TensorProto.FLOAT, ["b", 32, 16, 16])],
+                              [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["b", 3, 320, 320])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), str(path))
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header (with a correct CRC) claims width x height; its pixel data is tiny."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = lambda kind, data: (struct.pack(">I", len(data)) + kind + data  # noqa: E731
+                                + struct.pack(">I", zlib.crc32(kind + data)))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_avatar(root, "a", n_frames=4)
+    make_avatar(root, "shrinks", n_frames=6, seed=1)
+    for name, value in (("nan", "NaN"), ("huge", "1e300"), ("bigint", "1" + "0" * 40)):
+        d = make_avatar(root, name, n_frames=2)
+        (d / "crop_rects.json").write_text('{"0": {"rect": [10, 10, 100, 100]}, "1": {"rect": [%s, 10, 100, 100]}}'
+                                           % value)
+    bomb = make_avatar(root, "bomb", n_frames=2)
+    (bomb / "frames" / "0.png").write_bytes(png_claiming(60000, 60000))
+    failing = make_avatar(root, "fails", n_frames=2)
+    write_failing_model(failing / "model.onnx")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    # The broken avatars are preloaded too: before, a NaN rect crash-looped every compositor.
+    cfg = base_config(models, **{"compositing.preload": ["nan", "huge", "bomb", "a"]})
+    cfg["limits"]["max_message_bytes"] = 5 << 20
+    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
+        srv.initial_pids = _pids(srv)
+        yield srv
+        assert _pids(srv) == srv.initial_pids, "a process died (and was restarted) during these tests"
+
+
+def _pids(srv) -> dict:
+    return {(p["role"], p["index"]): p["pid"] for p in srv.health()["processes"]}
+
+
+def _ask(server, frames: list, timeout_ms: int = 30_000) -> list[dict]:
+    """Send one raw request; return every reply header that arrives (a correct server sends one)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([b"", *frames])
+        replies = []
+        while sock.poll(timeout_ms if not replies else 300):
+            reply = sock.recv_multipart()
+            replies.append(json.loads(reply[1]))
+        return replies
+    finally:
+        sock.close()
+
+
+def _error(replies: list[dict]) -> dict:
+    assert len(replies) == 1, f"expected exactly one reply, got {replies}"
+    assert replies[0]["ok"] is False, replies[0]
+    return replies[0]["error"]
+
+
+@pytest.mark.parametrize("name", ["nan", "huge", "bigint"])
+def test_bad_numbers_in_crop_rects_name_the_model_and_file(server, name):
+    err = _error(_ask(server, [json.dumps({"op": "composite", "model": name, "batch": 1}).encode(), AUDIO1]))
+    assert err["code"] == "bad_request", err
+    assert "crop_rects.json" in err["message"] and "index 1" in err["message"] and name in err["message"], err
+
+
+def test_an_image_whose_header_claims_a_huge_size_is_refused_before_decoding(server):
+    err = _error(_ask(server, [b'{"op": "composite", "model": "bomb", "batch": 1}', AUDIO1]))
+    assert err["code"] == "bad_request" and "60000x60000" in err["message"], err
+    assert "compositing.max_frame_width" in err["message"], err
+
+
+def test_avatar_replaced_by_fewer_frames_fails_that_request_only(server, models):
+    with server.client() as c:
+        # Only the frontend reads the files now (as `models` does); the workers read them on first use,
+        # after the change: they find 3 frames where the frontend counted 6.
+        assert next(m for m in c.models() if m["id"] == "shrinks")["frames"] == 6
+        for k in (3, 4, 5):
+            (models / "shrinks" / "frames" / f"{k}.png").unlink()
+        shutil.copy(models / "a" / "crop_rects.json", models / "shrinks" / "crop_rects.json")
+        # The server still believes in 6 frames (no `unload` yet): frame 5 is gone.
+        replies = _ask(server, [b'{"op": "composite", "model": "shrinks", "batch": 1, "start_frame": 4}', AUDIO1])
+        err = _error(replies)
+        assert err["code"] == "bad_request" and "shrinks" in err["message"], err
+        c.unload("shrinks")
+        header, images = c.composite("shrinks", np.zeros((2, 32, 16, 16), np.float32), start_frame=4)
+        assert header["ok"] and len(images) == 2
+
+
+def test_a_model_that_fails_at_run_time_fails_only_its_request(server):
+    loud = np.full((1, 32, 16, 16), 7, np.float32).tobytes()
+    err = _error(_ask(server, [b'{"op": "composite", "model": "fails", "batch": 1}', loud]))
+    assert err["code"] == "internal" and "fails" in err["message"], err
+    with server.client() as c:
+        assert c.composite("fails", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+        assert c.stats("fails")["models"]["fails"]["errors"] >= 1
+
+
+@pytest.mark.parametrize("model", ["a\n", "a\r\n", "../a", "a/b"])
+def test_model_ids_with_path_or_line_tricks_are_refused(server, model):
+    err = _error(_ask(server, [json.dumps({"op": "composite", "model": model, "batch": 1}).encode(), AUDIO1]))
+    assert err["code"] == "bad_request" and "model" in err["message"], err
+
+
+def test_an_id_that_cannot_be_encoded_back_still_gets_one_reply_and_leaks_nothing(server):
+    # JSON allows a lone surrogate escape; UTF-8 cannot carry it back. More of them than the worker's
+    # input slots (shm.slots = 2): a leak would leave every later request waiting for a slot.
+    header = b'{"op": "composite", "id": "\\ud800", "model": "a", "batch": 1}'
+    for _ in range(4):
+        err = _error(_ask(server, [header, AUDIO1]))
+        assert err["code"] == "bad_request" and "id" in err["message"], err
+    with server.client(timeout_s=20) as c:
+        assert c.composite("a", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+
+
+def test_deeply_nested_json_is_a_bad_request(server):
+    err = _error(_ask(server, [b"[" * 100_000 + b"]" * 100_000]))
+    assert err["code"] == "bad_request", err
+
+
+@pytest.mark.parametrize("frames, hint", [
+    ([b'{"op": "health"}'] + [b"x"] * 5000, "5001 frames"),
+    ([b'{"op": "health", "id": "' + b" " * (2 << 20) + b'"}'], "limits.max_header_bytes"),
+    ([b'{"op": "health"}'] + [b"x" * (3 << 20)] * 2, "limits.max_message_bytes"),
+], ids=["5000 frames", "2 MiB header", "6 MiB in all"])
+def test_oversized_messages_are_refused_before_parsing(server, frames, hint):
+    err = _error(_ask(server, frames))
+    assert err["code"] == "bad_request" and hint in err["message"], err
