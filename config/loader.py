@@ -156,9 +156,25 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Co
     if "base_dir" in data:
         raise ConfigError(f"{source}: base_dir: unknown key (paths resolve against the file's directory)")
     try:
-        return msgspec.convert({**data, "base_dir": base_dir}, type=Config, strict=True)
+        config = msgspec.convert({**data, "base_dir": base_dir}, type=Config, strict=True)
     except msgspec.ValidationError as err:
         raise ConfigError(_format_error(source, data, err)) from None
+    _check_bridge_keys(config, source)
+    return config
+
+
+def _check_bridge_keys(config: Config, source: str) -> None:
+    """The bridge carries every model's inputs and outputs: keys are required unless plaintext is
+    asked for by name (it used to fall back to plaintext silently when a key was left out)."""
+    b = config.bridge
+    if b.insecure_plaintext:
+        return
+    fix = "(`python -m supervisor keys DIR NAME` writes a pair), or set bridge.insecure_plaintext: true"
+    if b.hosts and not b.client_secret_key:
+        raise ConfigError(f"{source}: bridge.client_secret_key: required when bridge.hosts is set {fix}")
+    missing = next((i for i, h in enumerate(b.hosts) if not h.server_key), None)
+    if missing is not None:
+        raise ConfigError(f"{source}: bridge.hosts.{missing}.server_key: required (the GPU host's public key) {fix}")
 
 
 def load_config(path: str | Path | None = None) -> Config:

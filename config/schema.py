@@ -10,8 +10,8 @@ from typing import Annotated, Literal, Optional, Union
 
 import msgspec
 
-# Model ids become directory names and shm/metric labels: no path tricks.
-MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+from config.geometry import MODEL_ID_PATTERN
+
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -20,7 +20,7 @@ NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 ModelId = Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]
 Quality = Annotated[int, msgspec.Meta(ge=1, le=100)]
-Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+$")]
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^(tcp|ipc|inproc)://.+\Z")]
 FrameOrder = Literal["mirror", "loop"]
 OutputFormat = Literal["jpeg", "png", "raw"]
 
@@ -47,7 +47,7 @@ class FrontendConfig(_Section):
 
 class BridgeHost(_Section):
     endpoint: Endpoint                   # the GPU host's bridge.bind, as this edge reaches it
-    server_key: str                      # that host's public key file
+    server_key: Optional[str] = None     # that host's public key file (required unless insecure_plaintext)
 
 
 class BridgeConfig(_Section):
@@ -56,6 +56,7 @@ class BridgeConfig(_Section):
     authorized_keys: Optional[str] = None          # role gpu: directory of edge public key files
     hosts: tuple[BridgeHost, ...] = ()             # roles all/edge: GPU hosts to use
     client_secret_key: Optional[str] = None        # roles all/edge: this edge's secret key file
+    insecure_plaintext: bool = False               # allow a bridge without keys (trusted networks only)
     heartbeat_s: PosFloat = 0.25
     dead_after_s: PosFloat = 1.0
 
@@ -78,6 +79,7 @@ class LimitsConfig(_Section):
     request_timeout_s: PosFloat = 30.0
     max_audio_elements: PosInt = 256 * 16 * 32
     max_message_bytes: PosInt = 512 * 1024 * 1024
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=256)] = 64 * 1024
 
 
 class InferenceConfig(_Section):
@@ -113,7 +115,7 @@ class OutputConfig(_Section):
 
 class ShmConfig(_Section):
     slots: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
-    prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9]{0,11}$")] = "lsync"
+    prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9]{0,11}\Z")] = "lsync"
 
 
 class SupervisorConfig(_Section):

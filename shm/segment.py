@@ -34,23 +34,33 @@ def _creator_alive(pid: int, start_hex: str) -> bool:
         proc = psutil.Process(pid)
         # A zombie (killed, not yet reaped) still reports its start time but holds nothing.
         return proc.status() != psutil.STATUS_ZOMBIE and int(proc.create_time()) == int(start_hex, 16)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+    except (psutil.NoSuchProcess, ValueError):
         return False
+    except psutil.AccessDenied:
+        return True  # not ours to judge
 
 
 def sweep_dead_runs(prefix: str) -> list[str]:
-    """Unlink segments named with `prefix` whose creating process is gone; return their names."""
+    """Unlink segments named with `prefix` whose creating process is gone; return their names.
+    Only this user's segments are touched: another user's (or one we may not remove) is skipped,
+    never a reason to refuse start-up."""
     swept = []
+    uid = os.getuid()
     for entry in SHM_DIR.glob(f"{prefix}-*"):
         match = _NAME.match(entry.name)
         if match is None or match["prefix"] != prefix:
+            continue
+        try:
+            if entry.lstat().st_uid != uid:
+                continue
+        except FileNotFoundError:
             continue
         if _creator_alive(int(match["pid"]), match["start"]):
             continue
         try:
             _posixshmem.shm_unlink("/" + entry.name)
             swept.append(entry.name)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             pass
     return swept
 

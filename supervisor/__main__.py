@@ -21,9 +21,21 @@ def keys_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import zmq.auth
     os.makedirs(args.dir, exist_ok=True)
+    existing = [p for name in args.names for p in (os.path.join(args.dir, f"{name}.key"),
+                                                   os.path.join(args.dir, f"{name}.key_secret")) if os.path.exists(p)]
+    if existing:
+        print(f"refusing to overwrite existing keys: {', '.join(existing)} (remove them first to replace a key "
+              "pair; every peer that trusts the old public key must be given the new one)", file=sys.stderr)
+        return 1
     for name in args.names:
-        public, secret = zmq.auth.create_certificates(args.dir, name)
-        os.chmod(secret, 0o600)
+        # NOTE: the umask makes the secret file private from its creation; a chmod afterwards would
+        # leave it readable by others for a moment.
+        previous = os.umask(0o077)
+        try:
+            public, secret = zmq.auth.create_certificates(args.dir, name)
+        finally:
+            os.umask(previous)
+        os.chmod(public, 0o644)
         print(f"{public}\n{secret}")
     return 0
 

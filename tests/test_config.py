@@ -54,6 +54,12 @@ def test_default_yaml_is_exactly_the_schema_defaults_and_documents_every_key():
     ("output:\n  quality: 101\n", "output.quality: expected an integer >= 1 and <= 100, got 101"),
     ("- just\n- a list\n", "expected a mapping at the top level"),
     ("inference: {devices: [0\n", "not valid YAML"),
+    ('models:\n  "a\\n": {onnx: a, frames: b, crop_rects: c}\n', "models: key 'a\\n' is not valid"),
+    ('shm:\n  prefix: "ls\\n"\n', "shm.prefix: expected a string matching"),
+    ("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570', server_key: gpu.key}]\n",
+     "bridge.client_secret_key: required when bridge.hosts is set"),
+    ("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570'}]\n  client_secret_key: e.key_secret\n",
+     "bridge.hosts.0.server_key: required"),
 ])
 def test_bad_config_is_refused_with_file_and_key_path(tmp_path, text, message):
     path = tmp_path / "my.yaml"
@@ -103,3 +109,21 @@ def test_models_entries_as_a_directory_or_explicit_paths(tmp_path):
     alice = model_paths(cfg, "alice")
     assert (alice.onnx, alice.frame_order) == (tmp_path / "a/unet.onnx", "loop")
     assert model_paths(cfg, "../etc") is None and model_paths(cfg, "nobody") is None
+
+
+def test_keys_are_private_from_creation_and_never_overwritten(tmp_path):
+    run = lambda: subprocess.run([sys.executable, "-m", "supervisor", "keys", str(tmp_path), "edge"],  # noqa: E731
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run().returncode == 0
+    secret, public = tmp_path / "edge.key_secret", tmp_path / "edge.key"
+    assert secret.stat().st_mode & 0o777 == 0o600 and public.stat().st_mode & 0o777 == 0o644
+    before = secret.read_bytes()
+    again = run()
+    assert again.returncode == 1 and "refusing to overwrite" in again.stderr
+    assert secret.read_bytes() == before
+
+
+def test_a_plaintext_bridge_must_be_asked_for_by_name(tmp_path):
+    path = tmp_path / "plain.yaml"
+    path.write_text("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570'}]\n  insecure_plaintext: true\n")
+    assert load_config(path).bridge.insecure_plaintext

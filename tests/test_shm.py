@@ -147,6 +147,30 @@ def test_sweep_unlinks_segments_of_dead_runs_only(shm_name):
             seg.unlink()
 
 
+def _sweep_as(uid: int, prefix: str):
+    os.setgid(uid)
+    os.setuid(uid)
+    return sweep_dead_runs(prefix)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as two users (another user's segment)")
+def test_sweep_skips_segments_it_cannot_own():
+    """Any local user can create a segment under our prefix; the sweep must not remove another user's
+    segment, and must not fail when it may not remove one (it used to refuse start-up)."""
+    nobody = 65534
+    foreign = Segment(f"{TEST_PREFIX}-1-0-foreign", 64, create=True)   # pid 1 lives, with another start time
+    try:
+        os.chown(f"/dev/shm/{foreign.name}", nobody, nobody)
+        assert foreign.name not in sweep_dead_runs(TEST_PREFIX)   # root could, but it is not ours
+        os.chown(f"/dev/shm/{foreign.name}", 0, 0)
+        with mp.get_context("fork").Pool(1) as pool:               # nobody may not remove root's segment
+            assert pool.apply(_sweep_as, (nobody, TEST_PREFIX)) == []
+        assert list_segments(foreign.name) == [foreign.name]
+    finally:
+        foreign.close()
+        foreign.unlink()
+
+
 # -- multi-process stress ---------------------------------------------------------------------
 
 N_MESSAGES = 400
