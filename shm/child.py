@@ -52,7 +52,24 @@ def set_process_title(title: str) -> None:
         pass
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux PR_SET_PDEATHSIG, as SGLang does for its
+    workers): an orphan would keep the port and the shared memory of a supervisor killed with -9."""
+    if not parent_pid:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux/glibc: the parent check below still runs once
+        pass
+    # NOTE: the parent may have died before prctl took effect: then nobody will ever signal us.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context], Actor]) -> None:
+    die_with_parent(run.supervisor_pid)
     set_process_title(f"lsync-{role}{index}")
     tune_malloc()
     logging.basicConfig(level=os.environ.get("LIPSYNC_LOG", "INFO"), stream=sys.stderr,

@@ -50,6 +50,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     store: StoreSpec
     devices: tuple[str, ...]             # per inference worker: "cpu", "cuda:N" or "remote:<endpoint>"
     image_rings: tuple[RingSpec, ...] = ()   # per compositing process: raw frames; written by it
+    supervisor_pid: int = 0                  # children die with this process (shm.child)
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,

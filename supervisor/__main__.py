@@ -66,12 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from supervisor.demo import build_demo
-    from supervisor.tree import StartError, Supervisor
+    from supervisor.tree import StartError, Supervisor, install_signal_handlers
+
+    stop = install_signal_handlers()
 
     if config.models_dir is None and not config.models and args.role == "all":
         config = msgspec.structs.replace(config, models_dir=str(build_demo(config)))
     try:
-        sup = Supervisor(config, args.role)
+        sup = Supervisor(config, args.role, stop)
     except Exception as err:  # e.g. shm creation failed: nothing is left behind
         print(f"cannot start: {err}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -36,6 +37,15 @@ log = logging.getLogger("supervisor")
 ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process,
                                 "bridge": run_bridge_process, "remote": run_remote_worker_process}
 ROLES = ("all", "gpu", "edge")
+
+
+def install_signal_handlers() -> threading.Event:
+    """SIGINT/SIGTERM only set the returned flag (the loops poll it within 0.2 s): installed before any
+    shared memory exists, so a signal at any point of start-up still ends in a clean shutdown."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 class StartError(RuntimeError):
@@ -96,13 +106,14 @@ def _cuda_device_count() -> int:
 
 
 class Supervisor:
-    def __init__(self, config: Config, role: str = "all"):
+    def __init__(self, config: Config, role: str = "all", stop: Optional[threading.Event] = None):
         self.config, self.role = config, role
+        # SIGINT/SIGTERM set it (install_signal_handlers), also during start-up.
+        self.stop_requested = stop or threading.Event()
         if role == "gpu" and not config.bridge.secret_key and not config.bridge.insecure_plaintext:
             raise StartError("--role gpu needs bridge.secret_key and bridge.authorized_keys (`python -m supervisor "
                              "keys DIR NAME` writes key pairs), or bridge.insecure_plaintext: true for a trusted "
                              "network (docs/security.md)")
-        self._stop = False
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
         try:
@@ -147,7 +158,7 @@ class Supervisor:
         for spec in images:
             self._created.append(SlotRing.create(spec, populate=False))
         self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu),
-                           inputs, outputs, store, tuple(devices), images)
+                           inputs, outputs, store, tuple(devices), images, os.getpid())
 
     def _cleanup(self) -> None:
         for obj in self._created:
@@ -183,6 +194,8 @@ class Supervisor:
             self._spawn(child)
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
         while any(c.state != "ready" for c in self.children):
+            if self.stop_requested.is_set():
+                raise StartError("stopped by a signal during start-up")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 late = ", ".join(c.name for c in self.children if c.state != "ready")
@@ -248,23 +261,15 @@ class Supervisor:
 
     def serve(self) -> int:
         """Watch the children until SIGINT/SIGTERM; restart the dead ones."""
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while not self._stop:
-                self._poll(0.2)
-                now = time.monotonic()
-                for child in self.children:
-                    if child.state == "restarting" and now >= child.restart_at:
-                        child.restarts += 1
-                        log.info("restarting %s (restart %d)", child.name, child.restarts)
-                        self._spawn(child)
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        while not self.stop_requested.is_set():
+            self._poll(0.2)
+            now = time.monotonic()
+            for child in self.children:
+                if child.state == "restarting" and now >= child.restart_at:
+                    child.restarts += 1
+                    log.info("restarting %s (restart %d)", child.name, child.restarts)
+                    self._spawn(child)
         return 0
-
-    def _on_signal(self, signum, frame) -> None:
-        self._stop = True  # NOTE: only a flag; the loop wakes within its 0.2 s poll
 
     def shutdown(self) -> None:
         """Stop accepting and drain (the frontend first), stop the children, unlink shared memory."""
