@@ -24,7 +24,7 @@ from config.assets import AssetCache, AssetError
 from cpu_actor.composite import encode, mouth_to_uint8, paste
 from shm.child import child_main
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, ReleaseImages, ResetRequests, Shutdown, decode
+from shm.messages import CompositeDone, CompositeTask, ReleaseImages, ResetRequests, decode
 from shm.messages import encode as encode_msg
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
@@ -84,8 +84,6 @@ class Compositor:
             self.images.release_request(msg.req)
         elif isinstance(msg, ResetRequests):
             self.images.become_writer()  # a new frontend: nothing it holds is ours any more
-        elif isinstance(msg, Shutdown):
-            self._stopping = True
 
     def _wait_for_release(self, remaining_s: float) -> None:
         """Every image slot is out with the frontend: keep taking messages until one comes back."""

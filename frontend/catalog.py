@@ -1,14 +1,16 @@
 """What the frontend knows of each model without loading it: audio shape, frame count and size.
 
-Read from the files (ONNX input shapes, frame list, first frame) on first use, in a thread so the
-event loop never blocks on disk, and cached; a failure is cached briefly so a fixed model directory
-is picked up again without a restart.
+Read from the files (ONNX input shapes, frame list, first frame's header) on first use, in a thread so
+the event loop never blocks on disk, and cached; a failure is cached briefly so a fixed model directory
+is picked up again without a restart. Failures are kept for at most MAX_ERRORS ids (a client sending
+random ids must not grow them without bound).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +19,7 @@ from config.assets import AssetError, list_model_ids, load_assets, max_frame_siz
 from frontend.onnx_io import read_model_io
 
 ERROR_TTL_S = 5.0
+MAX_ERRORS = 1024
 
 
 @dataclass(frozen=True)
@@ -40,26 +43,46 @@ class CatalogError:
 class Catalog:
     def __init__(self, config: Config):
         self.config = config
-        self._specs: dict[str, ModelSpec | CatalogError] = {}
+        self._specs: dict[str, ModelSpec] = {}
+        self._errors: OrderedDict[str, CatalogError] = OrderedDict()
         self._inflight: dict[str, asyncio.Future] = {}
 
-    def ids(self) -> list[str]:
-        return list_model_ids(self.config)
+    async def ids(self) -> list[str]:
+        """Every model id (a directory listing: off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(None, list_model_ids, self.config)
 
     async def get(self, model_id: str) -> ModelSpec | CatalogError:
         cached = self._specs.get(model_id)
-        if isinstance(cached, ModelSpec):
+        if cached is not None:
             return cached
-        if isinstance(cached, CatalogError) and time.monotonic() - cached.at < ERROR_TTL_S:
-            return cached
+        error = self.error(model_id)
+        if error is not None:
+            return error
         future = self._inflight.get(model_id)
         if future is None:
             loop = asyncio.get_running_loop()
             future = self._inflight[model_id] = loop.run_in_executor(None, self._read, model_id)
-            future.add_done_callback(lambda _: self._inflight.pop(model_id, None))
-        spec = await asyncio.shield(future)
-        self._specs[model_id] = spec
-        return spec
+            future.add_done_callback(lambda f: self._keep(model_id, f))
+        return await asyncio.shield(future)
+
+    def _keep(self, model_id: str, future: asyncio.Future) -> None:
+        self._inflight.pop(model_id, None)
+        if future.cancelled():
+            return
+        spec = future.result()
+        if isinstance(spec, ModelSpec):
+            self._specs[model_id] = spec
+            self._errors.pop(model_id, None)
+            return
+        self._errors[model_id] = spec
+        self._errors.move_to_end(model_id)
+        while len(self._errors) > MAX_ERRORS:
+            self._errors.popitem(last=False)
+
+    def error(self, model_id: str) -> Optional[CatalogError]:
+        """The cached failure of reading `model_id`, while it is fresh."""
+        error = self._errors.get(model_id)
+        return error if error is not None and time.monotonic() - error.at < ERROR_TTL_S else None
 
     def _read(self, model_id: str) -> ModelSpec | CatalogError:
         paths = model_paths(self.config, model_id)
@@ -84,7 +107,8 @@ class Catalog:
         """Read the model's files again on next use (`unload` calls this: it is how replaced files are
         taken up without a restart)."""
         self._specs.pop(model_id, None)
+        self._errors.pop(model_id, None)
 
-    def known(self, model_id: str) -> Optional[ModelSpec]:
-        spec = self._specs.get(model_id)
-        return spec if isinstance(spec, ModelSpec) else None
+    def known(self, model_id: str) -> Optional[ModelSpec | CatalogError]:
+        """What is known of `model_id` without reading anything: its spec, a fresh failure, or None."""
+        return self._specs.get(model_id) or self.error(model_id)

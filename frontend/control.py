@@ -1,8 +1,6 @@
-"""The control ops: health, models, load, unload, stats; each a function over the frontend's state.
-
-load / unload / stats go to the inference workers and are answered when every worker asked has
-replied (`gathered`), stats after at most STATS_TIMEOUT_S with whatever came.
-"""
+"""The control ops' replies: health and models (answered by the frontend alone), and load, unload and
+stats (gathered from the inference workers by the engine; stats after at most STATS_TIMEOUT_S with
+whatever came)."""
 
 from __future__ import annotations
 
@@ -12,12 +10,11 @@ from typing import TYPE_CHECKING
 
 from frontend import protocol as P
 from frontend.catalog import CatalogError
-from frontend.state import Pending
-from frontend.validate import RequestError
-from shm.messages import LoadDone, LoadModel, StatsQuery, StatsReport, UnloadModel, encode, merge_model_stats
+from frontend.engine import Kind, Request, merge_model_stats
+from shm.codes import ProcState
 
 if TYPE_CHECKING:
-    from frontend.server import Frontend
+    from frontend.server import Call, Frontend
 
 STATS_TIMEOUT_S = 2.0
 
@@ -30,12 +27,13 @@ def _version() -> str:
         return "0.0.0"
 
 
-async def health(fe: Frontend, p: Pending, payload: list) -> None:
-    procs = [P.ProcessInfo(role="frontend", index=0, pid=os.getpid(), state="ready")]
-    procs += [P.ProcessInfo(role="gpu", index=w.index, pid=w.pid, state=w.state, restarts=w.restarts,
-                            device=w.device) for w in fe.workers]
-    procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state, restarts=c.restarts, device="cpu")
-              for i, c in enumerate(fe.compositors)]
+def health(fe: Frontend, call: Call) -> bytes:
+    engine = fe.engine
+    procs = [P.ProcessInfo(role="frontend", index=0, pid=os.getpid(), state=ProcState.READY.value)]
+    procs += [P.ProcessInfo(role="gpu", index=w.index, pid=w.pid, state=w.state.value, restarts=w.restarts,
+                            device=w.device) for w in engine.workers]
+    procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state.value, restarts=c.restarts, device="cpu")
+              for i, c in enumerate(engine.compositors)]
     states = {pr.state for pr in procs}
     if states == {"ready"}:
         status = "ready"
@@ -43,90 +41,47 @@ async def health(fe: Frontend, p: Pending, payload: list) -> None:
         status = "starting"
     else:
         status = "degraded"
-    loaded: dict[str, list[int]] = {}
-    for w in fe.workers:
-        for model in w.models:
-            loaded.setdefault(model, []).append(w.index)
-    fe.finish(p, P.encode(P.HealthReply(id=p.header.id, status=status, processes=procs,
-                                           models_loaded=loaded, version=_version())))
+    return P.encode(P.HealthReply(id=call.header.id, status=status, processes=procs,
+                                  models_loaded=engine.loaded(), version=_version()))
 
-async def models(fe: Frontend, p: Pending, payload: list) -> None:
-    ids = [i for i in fe.catalog.ids() if p.client.tenant is None or p.client.tenant.allows(i)]
+
+async def models(fe: Frontend, call: Call) -> bytes:
+    tenant = call.client.tenant
+    ids = [i for i in await fe.catalog.ids() if tenant is None or tenant.allows(i)]
     specs = await asyncio.gather(*(fe.catalog.get(i) for i in ids))
+    loaded = fe.engine.loaded()
     models = []
     for model_id, spec in zip(ids, specs):
-        loaded_on = [w.index for w in fe.workers if model_id in w.models]
         if isinstance(spec, CatalogError):
-            models.append(P.ModelInfo(id=model_id, loaded_on=loaded_on, error=spec.message))
+            models.append(P.ModelInfo(id=model_id, loaded_on=loaded.get(model_id, []), error=spec.message))
         else:
             models.append(P.ModelInfo(id=model_id, frames=spec.frames, width=spec.width, height=spec.height,
-                                      audio_shape=list(spec.audio_shape), loaded_on=loaded_on))
-    fe.finish(p, P.encode(P.ModelsReply(id=p.header.id, models=models)))
+                                      audio_shape=list(spec.audio_shape), loaded_on=loaded.get(model_id, [])))
+    return P.encode(P.ModelsReply(id=call.header.id, models=models))
 
-async def load(fe: Frontend, p: Pending, payload: list) -> None:
-    await fe.model_spec(p)
-    worker = fe.pick_worker(p.header.model)
-    if worker is None:
-        raise RequestError(P.ErrorCode.UNAVAILABLE, fe.no_worker_message(), p.header.id)
-    p.waiting_on = {worker.index}
-    worker.sock.send(encode(LoadModel(req=p.req, model=p.header.model)))
 
-async def unload(fe: Frontend, p: Pending, payload: list) -> None:
-    if p.header.model not in fe.catalog.ids():
-        raise RequestError(P.ErrorCode.UNKNOWN_MODEL, f"unknown model {p.header.model!r}", p.header.id)
-    fe.catalog.forget(p.header.model)
-    # Every ready worker, not only those this process believes hold the model: what a GPU host
-    # holds is learned from its heartbeats and may lag a request that just loaded it.
-    targets = [w for w in fe.workers if w.ready]
-    if not targets:
-        fe.finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=[])))
-        return
-    p.waiting_on = {w.index for w in targets}
-    for w in targets:
-        w.sock.send(encode(UnloadModel(req=p.req, model=p.header.model)))
-
-async def stats(fe: Frontend, p: Pending, payload: list) -> None:
-    targets = [w for w in fe.workers if w.ready]
-    p.waiting_on = {w.index for w in targets}
-    for w in targets:
-        w.sock.send(encode(StatsQuery(req=p.req)))
-    if not targets:
-        stats_reply(fe, p)
-        return
-    asyncio.get_running_loop().call_later(STATS_TIMEOUT_S, stats_reply, fe, p)
-
-def gathered(fe: Frontend, msg: LoadDone | StatsReport) -> None:
-    p = fe.requests.get(msg.req)
-    if p is None or msg.worker not in p.waiting_on:
-        return
-    p.waiting_on.discard(msg.worker)
-    p.results.append(msg)
-    if p.waiting_on:
-        return
-    if p.op is P.Op.STATS:
-        stats_reply(fe, p)
-        return
-    failed = next((r for r in p.results if not r.ok), None)
-    if failed is not None:
-        fe.finish(p, code=failed.code, message=failed.message)
-        return
-    loaded_on = [w.index for w in fe.workers if p.header.model in w.models]
-    if p.op is P.Op.LOAD:
-        loaded_on = sorted(set(loaded_on) | {r.worker for r in p.results})
+def reply(fe: Frontend, r: Request) -> bytes:
+    """The reply of a gathered op (load, unload, stats) that ended well."""
+    call = r.data
+    if r.kind is Kind.STATS:
+        return _stats(fe, r)
+    answered = {a.worker for a in r.results}
+    loaded_on = fe.engine.loaded().get(r.model, [])
+    if r.kind is Kind.LOAD:
+        loaded_on = sorted(set(loaded_on) | answered)
     else:
-        loaded_on = [i for i in loaded_on if i not in {r.worker for r in p.results}]
-    fe.finish(p, P.encode(P.LoadReply(id=p.header.id, model=p.header.model, loaded_on=loaded_on,
-                                         load_ms=max(r.load_ms for r in p.results))))
+        loaded_on = [i for i in loaded_on if i not in answered]
+    return P.encode(P.LoadReply(id=call.header.id, model=r.model, loaded_on=loaded_on,
+                                load_ms=max((a.load_ms for a in r.results), default=0.0)))
 
-def stats_reply(fe: Frontend, p: Pending) -> None:
-    if p.req not in fe.requests:
-        return
-    workers = [{"index": r.worker, "device": r.device, "loaded": r.loaded, "queue": r.queue} for r in p.results]
-    models = merge_model_stats(p.results)
-    tenant = p.client.tenant
-    models = {k: v for k, v in models.items() if p.header.model in (None, k) and (tenant is None or tenant.allows(k))}
-    missing = sorted(p.waiting_on)
-    if missing:
-        workers += [{"index": i, "error": "no answer within 2 s"} for i in missing]
-    store = {m: dict(v) for m, v in fe.store_lookups.items() if m in models or p.header.model == m}
-    fe.finish(p, P.encode(P.StatsReply(id=p.header.id, models=models, workers=workers, store=store)))
+
+def _stats(fe: Frontend, r: Request) -> bytes:
+    call = r.data
+    workers = [{"index": a.worker, "device": a.device, "loaded": a.loaded, "queue": a.queue} for a in r.results]
+    tenant = call.client.tenant
+    wanted = call.header.model
+    models = {k: v for k, v in merge_model_stats(r.results).items()
+              if wanted in (None, k) and (tenant is None or tenant.allows(k))}
+    workers += [{"index": i, "error": f"no answer within {STATS_TIMEOUT_S:g} s"} for i in sorted(r.waiting_on)]
+    store = {m: dict(v) for m, v in fe.store_lookups.items() if m in models or wanted == m}
+    return P.encode(P.StatsReply(id=call.header.id, models=models, workers=workers, store=store))

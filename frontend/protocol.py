@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import msgspec
 
 from config.geometry import MODEL_ID_PATTERN, MOUTH_SHAPE
+from shm.codes import ErrorCode, ProcState, Role
 
 PROTOCOL_VERSION = 1
 
@@ -29,16 +30,6 @@ class Op(str, enum.Enum):
 
 MODEL_OPS = frozenset({Op.LOAD, Op.UNLOAD, Op.INFER, Op.COMPOSITE})
 TENSOR_OPS = frozenset({Op.INFER, Op.COMPOSITE})
-
-
-class ErrorCode(str, enum.Enum):
-    BAD_REQUEST = "bad_request"      # malformed header, unknown op, wrong frames or sizes, bad range or id
-    UNKNOWN_MODEL = "unknown_model"  # no such model, or it failed to load
-    OVERLOADED = "overloaded"        # the worker's queue is full: retry later
-    TIMEOUT = "timeout"              # the deadline passed before the work finished
-    UNAVAILABLE = "unavailable"      # a worker died or is restarting, or no GPU host is reachable
-    FORBIDDEN = "forbidden"          # the client's tenant may not use this model
-    INTERNAL = "internal"            # a bug: please report it with the message
 
 
 RequestId = Union[str, int, None]
@@ -105,10 +96,10 @@ class InferReply(msgspec.Struct, kw_only=True):
 
 
 class ProcessInfo(msgspec.Struct, kw_only=True):
-    role: str
+    role: Role
     index: int
     pid: Optional[int]
-    state: str           # starting | ready | restarting | failed
+    state: ProcState
     restarts: int = 0
     device: Optional[str] = None
 

@@ -24,9 +24,10 @@ from gpu_actor.registry import Registry
 from gpu_actor.runner import check_device
 from gpu_actor.visual import build_visual
 from shm.child import child_main
+from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
-                          ResetRequests, Shutdown, StatsQuery, StatsReport, UnloadModel, decode, encode)
+                          ResetRequests, StatsQuery, StatsReport, UnloadModel, decode, encode)
 from shm.ring import RingError, SlotRing, StaleHandle, TensorRef
 from shm.store import BackgroundStore, StoreError
 
@@ -134,7 +135,7 @@ class InferenceWorker:
         elif isinstance(msg, UnloadModel):
             ok = self.registry.unload(msg.model)
             self.to_frontend.send(encode(LoadDone(
-                req=msg.req, worker=self.index, model=msg.model, ok=ok, code="" if ok else "overloaded",
+                req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
                 message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
         elif isinstance(msg, StatsQuery):
             self.to_frontend.send(encode(StatsReport(
@@ -143,8 +144,6 @@ class InferenceWorker:
                 loaded=sorted(self.registry.loaded), queue=len(self.queue))))
         elif isinstance(msg, ResetRequests):
             self.outputs.become_writer()
-        elif isinstance(msg, Shutdown):
-            self._stopping = True
 
     def _load_op(self, msg: LoadModel) -> None:
         if msg.model in self.registry.loaded:
@@ -184,7 +183,7 @@ class InferenceWorker:
         self.registry.busy[task.model] -= 1
         if code:
             self.registry.stat(task.model).errors += 1
-        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=not code, code=code,
+        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
                                                message=message, **fields)))
 
     # -- one batch ---------------------------------------------------------------------------------

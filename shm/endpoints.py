@@ -68,3 +68,11 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     if connect:
         sock.connect(connect)
     return sock
+
+
+def network_socket(ctx: zmq.Context, kind: int, max_message_bytes: int) -> zmq.Socket:
+    """A socket of the bridge (either end): bounded messages, and no work queued for a peer that is
+    not connected."""
+    sock = make_socket(ctx, kind, max_message_bytes=max_message_bytes)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    return sock

@@ -12,11 +12,15 @@ may be reused), both tied to a request id.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import msgspec
 
+from shm.codes import ErrorCode, ModelEventKind, ProcState, Role
 from shm.ring import TensorRef
+
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Msg(msgspec.Struct, tag=True, kw_only=True, array_like=True):
@@ -43,7 +47,7 @@ class InferTask(_Msg):
     plan: list[Chunk]                # empty: an `infer` request (mouths go back to the frontend)
     format: str = "jpeg"
     quality: int = 75
-    deadline: float = 0.0            # time.monotonic() (system-wide on Linux)
+    deadline: float = 0.0            # time.monotonic(): system-wide on one host, never sent to another
     enqueued: float = 0.0
     version: int = 0                 # the frontend's token for the model's background files
 
@@ -72,6 +76,23 @@ class ResetRequests(_Msg):
     """The frontend restarted: every request it knew is gone; free their slots."""
 
 
+# -- edge -> GPU host, over the bridge (CURVE) -----------------------------------------------------
+
+class RemoteInfer(_Msg):
+    """An InferTask as it crosses hosts: tensors follow as raw frames ([visual], audio), and the
+    deadline travels as the budget left when it was sent, re-anchored on the GPU host's own clock."""
+
+    req: Count
+    model: str
+    batch: Positive
+    audio_shape: tuple[Positive, ...]   # per frame
+    visual: bool                        # a visual frame precedes the audio frame
+    frames: list[Count]                 # background index of each frame (audio-only visual input)
+    composite: bool                     # mouths go back as uint8 (what compositing truncates to anyway)
+    budget_ms: Annotated[float, msgspec.Meta(ge=0)]
+    version: int = 0
+
+
 # -- inference worker -> compositing process -----------------------------------------------
 
 class CompositeTask(_Msg):
@@ -94,7 +115,7 @@ class InferDone(_Msg):
     req: int
     worker: int
     ok: bool
-    code: str = ""
+    code: Optional[ErrorCode] = None
     message: str = ""
     output: Optional[TensorRef] = None
     queue_ms: float = 0.0
@@ -110,7 +131,7 @@ class CompositeDone(_Msg):
     start: int
     end: int
     ok: bool
-    code: str = ""
+    code: Optional[ErrorCode] = None
     message: str = ""
     composite_ms: float = 0.0
     width: int = 0
@@ -131,7 +152,7 @@ class LoadDone(_Msg):
     worker: int
     model: str
     ok: bool
-    code: str = ""
+    code: Optional[ErrorCode] = None
     message: str = ""
     load_ms: float = 0.0
 
@@ -141,7 +162,7 @@ class ModelEvent(_Msg):
 
     worker: int
     model: str
-    event: str                       # loaded | unloaded | evicted | failed
+    event: ModelEventKind
     load_ms: float = 0.0
     nbytes: int = 0
 
@@ -158,32 +179,28 @@ class StatsReport(_Msg):
 # -- supervisor <-> children -----------------------------------------------------------------
 
 class Ready(_Msg):
-    role: str
+    role: Role
     index: int
     pid: int
     device: str = ""
 
 
 class Fatal(_Msg):
-    role: str
+    role: Role
     index: int
     pid: int
     message: str
 
 
 class ProcessEvent(_Msg):
-    """Supervisor -> frontend: a child changed state (ready, died, restarting, failed)."""
+    """Supervisor (or a RemoteWorker, for its GPU host) -> frontend: a child changed state."""
 
-    role: str
+    role: Role
     index: int
     pid: Optional[int]
-    state: str
+    state: ProcState
     restarts: int = 0
     device: str = ""
-
-
-class Shutdown(_Msg):
-    pass
 
 
 # -- the remote bridge (edge <-> GPU host, over CURVE) -------------------------------------------
@@ -200,26 +217,12 @@ class Pong(_Msg):
 
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
-    CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Shutdown, Ping, Pong,
+    CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
+    RemoteInfer,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-
-
-def merge_model_stats(reports: list[StatsReport]) -> dict[str, dict[str, float]]:
-    """Per-model stats of several workers as one: counts add up; latencies, load time and last use
-    take the highest worker's value."""
-    merged: dict[str, dict[str, float]] = {}
-    for report in reports:
-        for model, stats in report.models.items():
-            into = merged.setdefault(model, {})
-            for key, value in stats.items():
-                if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
-                    into[key] = max(into.get(key, 0.0), value)
-                else:
-                    into[key] = into.get(key, 0) + value
-    return merged
 
 
 def encode(message: _Msg) -> bytes:

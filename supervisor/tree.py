@@ -25,7 +25,8 @@ from config import Config
 from cpu_actor.worker import run_cpu_process
 from frontend.server import run_frontend_process
 from config.geometry import MOUTH_BYTES, input_slot_bytes
-from gpu_actor.bridge import run_bridge_process, run_remote_worker_process
+from frontend.bridge import run_bridge_process
+from gpu_actor.remote import run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode

@@ -1,4 +1,5 @@
-"""ZeroMQ CURVE for every socket that faces a network: key files, an allow list, the authenticator.
+"""ZeroMQ CURVE keys for every socket that faces a network: the key files the config names, an allow
+list, the authenticator, and the socket settings of a CURVE server or client.
 
 Key pairs come from `python -m supervisor keys DIR NAME` (pyzmq's `zmq.auth.create_certificates`):
 DIR/NAME.key is the public key (share it), DIR/NAME.key_secret the secret one (keep it).

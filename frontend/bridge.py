@@ -1,0 +1,264 @@
+"""The GPU host's end of the bridge (`--role gpu`): `BridgeServer` takes the frontend's place there.
+
+Edges (gpu_actor/remote.py) connect over CURVE; only the edge keys in `bridge.authorized_keys` get
+in. Each RemoteInfer becomes an engine request (frontend/engine.py, the same engine as the client
+frontend's: routing, slots, queues, gathering, deadlines and worker deaths are handled once), its
+tensors are written into a local worker's input ring, and the mouths go back to the edge. Audio-only
+batches travel as audio only: this host builds the visual input from its own copy of the avatar's
+assets (docs/security.md says which role needs which files). Composite mouths go back as the uint8
+that compositing truncates them to anyway: 4x fewer bytes, same pixels.
+
+An edge is a peer, not a trusted part of this host: every message is validated like a client
+request; a malformed one is logged and dropped, one with a request id gets `bad_request`. Deadlines
+arrive as a budget and are re-anchored on this host's clock (hosts never share a monotonic clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import msgspec
+import numpy as np
+import zmq
+
+from config import Config
+from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset, mouths_to_uint8, valid_model_id
+from config.keys import make_server, public_keys_in, start_authenticator
+from frontend.engine import (Dispatch, Fail, FreeInput, Kind, ReleaseOutput, Reply, Request, ResetInputs, Scheduler,
+                             SendWorker, merge_model_stats)
+from shm.child import child_main
+from shm.codes import ErrorCode
+from shm.endpoints import RunSpec, make_socket, network_socket
+from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
+                          ReleaseTask, RemoteInfer, StatsQuery, StatsReport, UnloadModel, decode, encode)
+from shm.ring import SlotRing, StaleHandle
+
+log = logging.getLogger(__name__)
+FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery)
+STATS_TIMEOUT_S = 1.5   # below the edge's own 2 s, so that the edge gets this host's partial answer
+POLL_MS = 500
+
+
+@dataclass
+class EdgeCall:
+    """What the bridge keeps of an edge's request (the engine's Request.data)."""
+
+    identity: bytes
+    edge_req: int
+    message: object                 # the edge's RemoteInfer / LoadModel / UnloadModel / StatsQuery
+    tensors: Optional[list] = None  # RemoteInfer: [visual], audio as bytes, until written into a slot
+
+
+class BridgeError(ValueError):
+    """An edge's message that cannot be served; the message says why."""
+
+
+class BridgeServer:
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
+        self.config, self.device = config, "bridge"
+        b = config.bridge
+        self.edges = network_socket(ctx, zmq.ROUTER, config.limits.max_message_bytes)
+        self.auth = None
+        if b.secret_key:
+            make_server(self.edges, b.secret_key, "bridge.secret_key")
+            if not b.authorized_keys:
+                raise ValueError("bridge.authorized_keys: set it to a directory of edge public keys "
+                                 "(a GPU host with a secret key accepts only listed edges)")
+            self.auth = start_authenticator(ctx, public_keys_in(b.authorized_keys, "bridge.authorized_keys"),
+                                            f"bridge {b.bind}")
+        self.edges.bind(b.bind)
+        self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend)
+        self.to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
+        self.inputs = [SlotRing.attach(s) for s in run.input_rings]
+        for ring in self.inputs:
+            ring.become_writer()
+        self.outputs = [SlotRing.attach(s) for s in run.output_rings]
+        self.engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
+                                config.frontend.routing, STATS_TIMEOUT_S)
+        self._stopping = False
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        for ring in self.inputs + self.outputs:
+            ring.close()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.edges, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        while not self._stopping:
+            due = self.engine.next_deadline()
+            timeout = POLL_MS if due is None else min(POLL_MS, max(int((due - time.monotonic()) * 1000) + 1, 0))
+            events = dict(poller.poll(timeout))
+            if events.get(self.edges):
+                while self.edges.poll(0):
+                    self._from_edge(self.edges.recv_multipart(copy=False))
+            if events.get(self.pull):
+                while self.pull.poll(0):
+                    self._from_worker(decode(self.pull.recv_multipart(copy=False)[0].buffer))
+            self.apply(self.engine.tick(time.monotonic()))
+
+    # -- edges ----------------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, msg, data=()) -> None:
+        self.edges.send_multipart([identity, encode(msg), *data], copy=True)   # the one copy into the socket
+
+    def _from_edge(self, frames: list) -> None:
+        identity = frames[0].bytes
+        try:
+            if len(frames) < 2:
+                raise BridgeError("no message after the routing id")
+            msg = decode(frames[1].buffer)
+            if not isinstance(msg, FROM_EDGE):
+                raise BridgeError(f"a {type(msg).__name__} is not a message an edge sends")
+        except (BridgeError, msgspec.DecodeError, msgspec.ValidationError) as err:
+            log.warning("dropped a malformed message from an edge: %s", err)
+            return
+        if isinstance(msg, Ping):
+            loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
+            self._send(identity, Pong(sent=msg.sent, loaded=loaded,
+                                      workers_ready=sum(w.ready for w in self.engine.workers)))
+            return
+        call = EdgeCall(identity, msg.req, msg)
+        try:
+            request = self._request(call, msg, frames[2:])
+        except BridgeError as err:
+            log.warning("refused a request from an edge: %s", err)
+            self._refuse(call, ErrorCode.BAD_REQUEST, str(err))
+            return
+        self.apply(self.engine.submit(request, time.monotonic()))
+
+    def _request(self, call: EdgeCall, msg, data: list) -> Request:
+        """Validate an edge's request like a client's; the engine request for it."""
+        model = getattr(msg, "model", None)
+        if model is not None and not valid_model_id(model):
+            raise BridgeError(f"model id {model[:80]!r} is not valid")
+        now = time.monotonic()
+        deadline = now + self.config.limits.request_timeout_s
+        if isinstance(msg, LoadModel):
+            return Request(Kind.LOAD, model, deadline=deadline, data=call)
+        if isinstance(msg, UnloadModel):
+            return Request(Kind.UNLOAD, model, deadline=deadline, data=call)
+        if isinstance(msg, StatsQuery):
+            return Request(Kind.STATS, None, deadline=deadline, data=call)
+        lim = self.config.limits
+        if msg.batch > lim.max_batch:
+            raise BridgeError(f"batch {msg.batch} is more than this host's limits.max_batch ({lim.max_batch})")
+        if len(msg.frames) != msg.batch:
+            raise BridgeError(f"{len(msg.frames)} frame indices for a batch of {msg.batch}")
+        elements = int(np.prod(msg.audio_shape))
+        if elements > lim.max_audio_elements:
+            raise BridgeError(f"audio window {list(msg.audio_shape)} is more than this host's "
+                              f"limits.max_audio_elements ({lim.max_audio_elements})")
+        want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [msg.batch * elements * 4]
+        got = [len(f.buffer) for f in data]
+        if got != want:
+            raise BridgeError(f"tensor frames of {got} bytes; expected {want}")
+        call.tensors = [f.bytes for f in data]
+        if msg.budget_ms:
+            deadline = now + msg.budget_ms / 1000   # re-anchored on this host's clock
+        return Request(Kind.INFER, model, msg.batch, deadline=deadline, data=call)
+
+    def _refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
+        msg = call.message
+        if isinstance(msg, RemoteInfer):
+            self._send(call.identity, InferDone(req=call.edge_req, worker=0, ok=False, code=code, message=message))
+        elif isinstance(msg, (LoadModel, UnloadModel)):
+            self._send(call.identity, LoadDone(req=call.edge_req, worker=0, model=msg.model, ok=False, code=code,
+                                               message=message))
+
+    # -- local workers --------------------------------------------------------------------------
+
+    def _from_worker(self, msg) -> None:
+        if isinstance(msg, ProcessEvent):
+            self.apply(self.engine.process_event(msg.role.value, msg.index, msg.state, msg.pid, msg.restarts))
+        elif isinstance(msg, ModelEvent):
+            self.apply(self.engine.model_event(msg))
+        elif isinstance(msg, InferDone):
+            self.apply(self.engine.infer_done(msg))
+        elif isinstance(msg, (LoadDone, StatsReport)):
+            self.apply(self.engine.control_done(msg))
+
+    # -- the engine's actions -------------------------------------------------------------------
+
+    def apply(self, actions: list) -> None:
+        for action in actions:
+            try:
+                self._apply(action)
+            except Exception as err:  # a bug in carrying one out must not skip the others
+                log.exception("carrying out %s failed", type(action).__name__)
+                if isinstance(action, Dispatch):
+                    self.apply(self.engine.fail(action.request.req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                elif isinstance(action, Reply):
+                    self._refuse(action.request.data, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+
+    def _apply(self, action) -> None:
+        if isinstance(action, Dispatch):
+            self._dispatch(action)
+        elif isinstance(action, SendWorker):
+            self.to_gpu[action.worker].send(encode(action.message))
+        elif isinstance(action, FreeInput):
+            self.inputs[action.worker].release_request(action.req)
+        elif isinstance(action, ReleaseOutput):
+            self.to_gpu[action.worker].send(encode(ReleaseTask(req=action.req)))
+        elif isinstance(action, ResetInputs):
+            self.inputs[action.worker].become_writer()
+        elif isinstance(action, Reply):
+            self._reply(action.request)
+        elif isinstance(action, Fail):
+            self._refuse(action.request.data, action.code, action.message)
+
+    def _dispatch(self, action: Dispatch) -> None:
+        r, call = action.request, action.request.data
+        task: RemoteInfer = call.message
+        ring = self.inputs[action.worker]
+        slot = ring.try_acquire(r.req)
+        if slot is None:
+            raise RuntimeError(f"input ring of worker {action.worker} has no free slot, though the engine counted one")
+        offset, visual = 0, None
+        if task.visual:
+            shape = (task.batch, *VISUAL_SHAPE)
+            ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(call.tensors[0], "<f4").reshape(shape)
+            visual = ring.ref(slot, 0, "float32", shape)
+            offset = audio_offset(task.batch * VISUAL_BYTES)
+        a_shape = (task.batch, *task.audio_shape)
+        ring.writable(slot, offset, "float32", a_shape)[...] = np.frombuffer(call.tensors[-1], "<f4").reshape(a_shape)
+        audio = ring.ref(slot, offset, "float32", a_shape)
+        call.tensors = None
+        self.to_gpu[action.worker].send(encode(InferTask(
+            req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],
+            deadline=r.deadline, enqueued=time.monotonic(), version=task.version)))
+
+    def _reply(self, r: Request) -> None:
+        call = r.data
+        if r.kind is Kind.INFER:
+            ring = self.outputs[r.worker]
+            try:
+                mouths = ring.read(r.output)
+                data = [mouths_to_uint8(mouths) if call.message.composite else mouths]
+                self._send(call.identity, InferDone(req=call.edge_req, worker=0, ok=True,
+                                                    queue_ms=r.timing.get("queue_ms", 0.0),
+                                                    inference_ms=r.timing.get("inference_ms", 0.0),
+                                                    input_ms=r.timing.get("input_ms", 0.0)), data)
+            except StaleHandle as err:
+                self._refuse(call, ErrorCode.UNAVAILABLE, f"an inference worker restarted while the reply was read ({err})")
+        elif r.kind is Kind.STATS:
+            answers = r.results
+            self._send(call.identity, StatsReport(
+                req=call.edge_req, worker=0, device=f"{len(answers)} worker(s): " + ", ".join(a.device for a in answers),
+                models=merge_model_stats(answers), loaded=sorted({m for a in answers for m in a.loaded}),
+                queue=sum(a.queue for a in answers) + sum(len(w.queue) for w in self.engine.workers)))
+        else:
+            self._send(call.identity, LoadDone(req=call.edge_req, worker=0, model=r.model, ok=True,
+                                               load_ms=max((a.load_ms for a in r.results), default=0.0)))
+
+
+def run_bridge_process(config: Config, run: RunSpec, index: int = 0) -> None:
+    child_main("bridge", index, run, lambda ctx: BridgeServer(ctx, config, run))

@@ -1,0 +1,562 @@
+"""The request engine: every request's life from admission to its one reply, with no sockets.
+
+`Scheduler` takes events (a request arrives, a worker answers, a process dies, a client goes, time
+passes) and returns actions (dispatch this request to that worker, send this control message, free
+that slot, reply). The client frontend (frontend/server.py) and the GPU host's bridge
+(frontend/bridge.py) are thin ZeroMQ shells that feed it events and carry out its actions, so
+routing, slot accounting, queues, chunk plans, gathering, deadlines and death handling exist once.
+
+A request's states:
+
+    QUEUED --a free input slot, its model loaded on the worker--> RUNNING (Dispatch)
+    RUNNING --InferDone--> COMPOSITING (composite) | done (infer)
+    COMPOSITING --every chunk's CompositeDone--> done
+    GATHERING (load, unload, stats: waits for each asked worker's answer) --> done
+
+Every end (done, error, deadline, client gone, a process death, shutdown) goes through `_finish`,
+which emits exactly one Reply or Fail first (so the shell can still read the output slot to build an
+`infer` reply), then frees everything the request held.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Optional, Union
+
+from shm.codes import ErrorCode, ModelEventKind, ProcState
+from shm.messages import (Chunk, CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsQuery, StatsReport,
+                          UnloadModel)
+
+
+class Kind(str, enum.Enum):
+    INFER = "infer"          # mouths back to the shell
+    COMPOSITE = "composite"  # mouths on to the compositors, frames back to the shell
+    LOAD = "load"            # one worker
+    UNLOAD = "unload"        # every ready worker
+    STATS = "stats"          # every ready worker; answered after stats_timeout_s with what came
+    WARM = "warm"            # the engine's own load of a model that queued requests wait for
+
+
+class State(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPOSITING = "compositing"
+    GATHERING = "gathering"
+
+
+CLIENT_GONE = "client_gone"   # an end with no reply to send (the connection closed)
+
+
+@dataclass(eq=False)
+class Request:
+    kind: Kind
+    model: Optional[str]
+    batch: int = 0
+    deadline: float = float("inf")
+    conn: Optional[Hashable] = None       # the connection it came over: its close ends the request
+    data: Any = None                      # the shell's own (header, client, tensors, ...): never read here
+    req: int = 0                          # set by the scheduler
+    state: State = State.QUEUED
+    worker: Optional[int] = None
+    in_slot: bool = False                 # holds an input slot of its worker
+    dispatched: bool = False              # its worker may hold an output slot for it
+    chunks: dict[int, int] = field(default_factory=dict)        # chunk start -> compositor, until done
+    images: dict[int, list] = field(default_factory=dict)       # chunk start -> the shell's frames
+    image_slots: set[int] = field(default_factory=set)          # compositors holding raw frames for it
+    waiting_on: set[int] = field(default_factory=set)           # workers a gathering op waits for
+    results: list = field(default_factory=list)                 # their answers
+    timing: dict[str, float] = field(default_factory=dict)
+    output: Any = None                    # InferDone.output (a TensorRef) of an `infer`
+    size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
+    gather_deadline: float = float("inf")
+
+
+# -- actions -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Acquire an input slot of `worker` for the request, write its inputs, send the InferTask."""
+    request: Request
+    worker: int
+    plan: list[Chunk]
+
+
+@dataclass(frozen=True)
+class SendWorker:
+    worker: int
+    message: Union[LoadModel, UnloadModel, StatsQuery]
+
+
+@dataclass(frozen=True)
+class FreeInput:
+    worker: int
+    req: int
+
+
+@dataclass(frozen=True)
+class ReleaseOutput:
+    """Tell the worker to free the request's output slot (ReleaseTask)."""
+    worker: int
+    req: int
+
+
+@dataclass(frozen=True)
+class ReleaseImages:
+    compositor: int
+    req: int
+
+
+@dataclass(frozen=True)
+class ResetInputs:
+    """The worker died: every input slot the engine gave out for it is free again (become_writer)."""
+    worker: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The request succeeded: build its reply from it and send it. Raw frames: free `image_slots`
+    once the bytes have left."""
+    request: Request
+
+
+@dataclass(frozen=True)
+class Fail:
+    request: Request
+    code: Union[ErrorCode, str]          # CLIENT_GONE: send nothing
+    message: str
+
+
+Action = Union[Dispatch, SendWorker, FreeInput, ReleaseOutput, ReleaseImages, ResetInputs, Reply, Fail]
+
+
+# -- state ---------------------------------------------------------------------------------------
+
+@dataclass
+class WorkerState:
+    index: int
+    device: str
+    slots: int
+    state: ProcState = ProcState.STARTING
+    pid: Optional[int] = None
+    restarts: int = 0
+    free_slots: int = 0
+    queue: deque = field(default_factory=deque)    # Requests waiting for a slot or for their model
+    active: set[int] = field(default_factory=set)  # every request assigned here and not ended
+    models: set[str] = field(default_factory=set)  # loaded, as far as its ModelEvents tell
+    warming: dict[str, int] = field(default_factory=dict)   # model -> the WARM request loading it
+
+    def __post_init__(self) -> None:
+        self.free_slots = self.slots
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ProcState.READY
+
+
+@dataclass
+class CompositorState:
+    state: ProcState = ProcState.STARTING
+    pid: Optional[int] = None
+    restarts: int = 0
+    active: set[int] = field(default_factory=set)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ProcState.READY
+
+
+class RequestTable:
+    """Live requests by id, by connection, and by deadline (a heap with lazy deletion)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Request] = {}
+        self._by_conn: dict[Hashable, set[int]] = {}
+        self._deadlines: list[tuple[float, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._by_id.values()))
+
+    def get(self, req: int) -> Optional[Request]:
+        return self._by_id.get(req)
+
+    def add(self, r: Request) -> None:
+        self._by_id[r.req] = r
+        if r.conn is not None:
+            self._by_conn.setdefault(r.conn, set()).add(r.req)
+        self._push_deadline(r)
+
+    def _push_deadline(self, r: Request) -> None:
+        when = min(r.deadline, r.gather_deadline)
+        if when != float("inf"):
+            heapq.heappush(self._deadlines, (when, r.req))
+
+    def pop(self, req: int) -> Optional[Request]:
+        r = self._by_id.pop(req, None)
+        if r is not None and r.conn is not None:
+            reqs = self._by_conn.get(r.conn)
+            if reqs is not None:
+                reqs.discard(req)
+                if not reqs:
+                    del self._by_conn[r.conn]
+        return r
+
+    def on_conn(self, conn: Hashable) -> list[Request]:
+        return [self._by_id[q] for q in self._by_conn.get(conn, ())]
+
+    def connections(self) -> int:
+        return len(self._by_conn)
+
+    def due(self, now: float) -> list[Request]:
+        """Requests whose deadline (or gathering deadline) has passed."""
+        out = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, req = heapq.heappop(self._deadlines)
+            r = self._by_id.get(req)
+            if r is not None and r not in out:
+                out.append(r)
+        return out
+
+    def next_deadline(self) -> Optional[float]:
+        while self._deadlines and self._deadlines[0][1] not in self._by_id:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+
+# -- the scheduler -------------------------------------------------------------------------------
+
+class Scheduler:
+    def __init__(self, devices: list[str], n_compositors: int, slots: int, queue_depth: int,
+                 routing: str = "affinity", stats_timeout_s: float = 2.0):
+        self.workers = [WorkerState(i, d, slots) for i, d in enumerate(devices)]
+        self.compositors = [CompositorState() for _ in range(n_compositors)]
+        self.table = RequestTable()
+        self.queue_depth, self.routing, self.stats_timeout_s = queue_depth, routing, stats_timeout_s
+        self._ids = itertools.count(1)
+        self._rr = itertools.count()
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def submit(self, r: Request, now: float) -> list[Action]:
+        """A new request: tensor ops are routed and queued, control ops sent to their workers."""
+        r.req = next(self._ids)
+        if r.kind is Kind.STATS:
+            r.gather_deadline = now + self.stats_timeout_s
+        self.table.add(r)
+        if r.kind in (Kind.INFER, Kind.COMPOSITE):
+            return self._admit(r)
+        if r.kind is Kind.LOAD:
+            worker = self._pick(r.model)
+            if worker is None:
+                return self._finish(r, ErrorCode.UNAVAILABLE, self.no_worker_message())
+            return self._gather(r, [worker], LoadModel(req=r.req, model=r.model))
+        message = StatsQuery(req=r.req) if r.kind is Kind.STATS else UnloadModel(req=r.req, model=r.model)
+        return self._gather(r, [w for w in self.workers if w.ready], message)
+
+    def _admit(self, r: Request) -> list[Action]:
+        worker = self._pick(r.model)
+        if worker is None:
+            return self._finish(r, ErrorCode.UNAVAILABLE, self.no_worker_message())
+        if len(worker.queue) >= self.queue_depth:
+            return self._finish(r, ErrorCode.OVERLOADED, f"inference worker {worker.index} has {len(worker.queue)} "
+                                "requests queued (limits.queue_depth); retry later")
+        r.worker = worker.index
+        worker.active.add(r.req)
+        worker.queue.append(r)
+        return self._pump(worker)
+
+    def _gather(self, r: Request, targets: list[WorkerState], message) -> list[Action]:
+        r.state = State.GATHERING
+        r.waiting_on = {w.index for w in targets}
+        for w in targets:
+            w.active.add(r.req)
+        if not targets:
+            return self._finish(r)
+        return [SendWorker(w.index, message) for w in targets]
+
+    def _pick(self, model: Optional[str]) -> Optional[WorkerState]:
+        ready = [w for w in self.workers if w.ready]
+        if not ready:
+            return None
+        if self.routing == "round_robin":
+            return ready[next(self._rr) % len(ready)]
+        if self.routing == "affinity":
+            warm = [w for w in ready if model in w.models or model in w.warming]
+            ready = warm or ready
+        return min(ready, key=lambda w: (len(w.active), w.index))
+
+    def no_worker_message(self) -> str:
+        states = ", ".join(f"worker {w.index} ({w.device}) is {w.state.value}" for w in self.workers)
+        return f"no inference worker is ready: {states}; retry shortly"
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def _pump(self, worker: WorkerState) -> list[Action]:
+        """Dispatch queued requests whose model is loaded into free slots; start loads for the others.
+        NOTE: a request for a model still loading holds no slot, so it cannot stall the warm models'
+        requests behind it (they pass it in the queue; one model's requests keep their order)."""
+        actions: list[Action] = []
+        if not worker.ready:
+            return actions
+        no_compositor = []
+        for r in list(worker.queue):
+            if worker.free_slots == 0:
+                break
+            if r.model not in worker.models:
+                continue
+            plan: list[Chunk] = []
+            if r.kind is Kind.COMPOSITE:
+                plan = self._plan(r)
+                if not plan:
+                    no_compositor.append(r)
+                    continue
+            worker.queue.remove(r)
+            worker.free_slots -= 1
+            r.in_slot = r.dispatched = True
+            r.state = State.RUNNING
+            actions.append(Dispatch(r, worker.index, plan))
+        for r in list(worker.queue):
+            if r.model not in worker.models and r.model not in worker.warming:
+                actions += self._warm(worker, r.model)
+        for r in no_compositor:
+            actions += self._finish(r, ErrorCode.UNAVAILABLE, "no compositing process is ready (restarting); "
+                                    "retry shortly", pump=False)
+        return actions
+
+    def _warm(self, worker: WorkerState, model: str) -> list[Action]:
+        warm = Request(Kind.WARM, model)
+        warm.req = next(self._ids)
+        self.table.add(warm)
+        worker.warming[model] = warm.req
+        warm.worker = worker.index
+        return self._gather(warm, [worker], LoadModel(req=warm.req, model=model))
+
+    def _plan(self, r: Request) -> list[Chunk]:
+        """Split the batch over the ready compositing processes, least busy first (ties rotate)."""
+        ready = [i for i, c in enumerate(self.compositors) if c.ready]
+        if not ready:
+            return []
+        n = min(r.batch, len(ready))
+        turn = next(self._rr)
+        ready.sort(key=lambda i: (len(self.compositors[i].active), (i + turn) % len(self.compositors)))
+        bounds = [r.batch * k // n for k in range(n + 1)]
+        plan = [Chunk(ready[k], bounds[k], bounds[k + 1]) for k in range(n)]
+        for chunk in plan:
+            r.chunks[chunk.start] = chunk.compositor
+            self.compositors[chunk.compositor].active.add(r.req)
+        return plan
+
+    # -- results --------------------------------------------------------------------------------
+
+    def infer_done(self, msg: InferDone) -> list[Action]:
+        r = self.table.get(msg.req)
+        if r is None or r.worker != msg.worker or r.state is not State.RUNNING:
+            # The request ended first (deadline, a dead process): its output slot must still be freed.
+            return [ReleaseOutput(msg.worker, msg.req)] if 0 <= msg.worker < len(self.workers) else []
+        worker = self.workers[msg.worker]
+        actions: list[Action] = [FreeInput(worker.index, r.req)]
+        r.in_slot = False
+        worker.free_slots += 1
+        r.timing.update(queue_ms=msg.queue_ms, input_ms=msg.input_ms, inference_ms=msg.inference_ms)
+        if not msg.ok:
+            actions += self._finish(r, msg.code or ErrorCode.INTERNAL, msg.message)
+        elif r.kind is Kind.INFER:
+            r.output = msg.output
+            actions += self._finish(r)
+        else:
+            r.state = State.COMPOSITING
+        return actions + self._pump(worker)
+
+    def composite_done(self, msg: CompositeDone, frames: list) -> list[Action]:
+        r = self.table.get(msg.req)
+        if r is None or r.chunks.get(msg.start) != msg.compositor:
+            # The request ended first: its raw frames are not wanted.
+            return [ReleaseImages(msg.compositor, msg.req)] if msg.images is not None else []
+        del r.chunks[msg.start]
+        if msg.compositor not in r.chunks.values():
+            self.compositors[msg.compositor].active.discard(r.req)
+        if msg.images is not None:
+            r.image_slots.add(msg.compositor)
+        if not msg.ok:
+            return self._finish(r, msg.code or ErrorCode.INTERNAL, msg.message)
+        r.images[msg.start] = frames
+        r.size = (msg.width, msg.height)
+        r.timing["composite_ms"] = max(r.timing.get("composite_ms", 0.0), msg.composite_ms)
+        return [] if r.chunks else self._finish(r)
+
+    def control_done(self, msg: Union[LoadDone, StatsReport]) -> list[Action]:
+        r = self.table.get(msg.req)
+        if r is None or r.state is not State.GATHERING or msg.worker not in r.waiting_on:
+            return []
+        r.waiting_on.discard(msg.worker)
+        self.workers[msg.worker].active.discard(r.req)
+        r.results.append(msg)
+        if isinstance(msg, LoadDone) and msg.ok and r.kind in (Kind.LOAD, Kind.WARM):
+            self.workers[msg.worker].models.add(msg.model)
+        if r.waiting_on:
+            return []
+        if r.kind is Kind.STATS:
+            return self._finish(r)
+        failed = next((a for a in r.results if not a.ok), None)
+        if failed is not None:
+            return self._finish(r, failed.code or ErrorCode.INTERNAL, failed.message)
+        return self._finish(r)
+
+    def model_event(self, msg: ModelEvent) -> list[Action]:
+        if not 0 <= msg.worker < len(self.workers):
+            return []
+        worker = self.workers[msg.worker]
+        if msg.event is ModelEventKind.LOADED:
+            worker.models.add(msg.model)
+        else:
+            worker.models.discard(msg.model)
+        return self._pump(worker)
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def process_event(self, role: str, index: int, state: ProcState, pid: Optional[int] = None,
+                      restarts: int = 0) -> list[Action]:
+        procs = self.workers if role == "gpu" else self.compositors if role == "cpu" else []
+        if not 0 <= index < len(procs):
+            return []
+        proc = procs[index]
+        was_ready = proc.ready
+        proc.state, proc.pid, proc.restarts = state, pid, restarts
+        if state is ProcState.READY:
+            return self._pump(proc) if isinstance(proc, WorkerState) else []
+        if not was_ready:
+            return []
+        return self._lost(role, proc, index, state)
+
+    def _lost(self, role: str, proc, index: int, state: ProcState) -> list[Action]:
+        """Everything the process held gets `unavailable` now, never silence."""
+        what = f"{'inference worker' if role == 'gpu' else 'compositing process'} {index}"
+        device = proc.device if isinstance(proc, WorkerState) else "cpu"
+        reason = {ProcState.UNREACHABLE: f"{what} ({device}) is unreachable; retry",
+                  ProcState.STARTING: f"{what} ({device}) has no ready inference worker on its host; retry",
+                  }.get(state, f"{what} died and is restarting; retry")
+        actions: list[Action] = []
+        for req in list(proc.active):
+            r = self.table.get(req)
+            if r is None:
+                continue
+            if r.state is State.GATHERING and r.kind in (Kind.STATS, Kind.UNLOAD):
+                # A dead worker holds no model and has no stats to give: do not wait for it.
+                r.waiting_on.discard(index)
+                if not r.waiting_on:
+                    actions += self._finish(r)
+                continue
+            if isinstance(proc, WorkerState) and r.worker == index:
+                # NOTE: its slots died with the worker: ResetInputs frees the inputs, and a new worker
+                # takes its output ring over.
+                r.in_slot = r.dispatched = False
+            actions += self._finish(r, ErrorCode.UNAVAILABLE, reason)
+        proc.active.clear()
+        if isinstance(proc, WorkerState):
+            proc.models.clear()
+            proc.warming.clear()
+            proc.free_slots = proc.slots
+            actions.append(ResetInputs(index))
+        return actions
+
+    # -- ends -----------------------------------------------------------------------------------
+
+    def fail(self, req: int, code: Union[ErrorCode, str], message: str) -> list[Action]:
+        """The shell could not carry an action out (e.g. writing the inputs failed)."""
+        r = self.table.get(req)
+        return self._finish(r, code, message) if r is not None else []
+
+    def client_gone(self, conn: Hashable) -> list[Action]:
+        actions: list[Action] = []
+        for r in self.table.on_conn(conn):
+            actions += self._finish(r, CLIENT_GONE, "")
+        return actions
+
+    def tick(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for r in self.table.due(now):
+            if r.state is State.GATHERING and r.kind is Kind.STATS and now >= r.gather_deadline:
+                actions += self._finish(r)   # answered with what came; the rest are listed as missing
+            elif now >= r.deadline:
+                where = "in the queue" if r.state is State.QUEUED else r.state.value
+                actions += self._finish(r, ErrorCode.TIMEOUT, f"no result by the deadline (request was {where})")
+            else:
+                self.table._push_deadline(r)
+        return actions
+
+    def next_deadline(self) -> Optional[float]:
+        return self.table.next_deadline()
+
+    def shutdown(self, message: str) -> list[Action]:
+        actions: list[Action] = []
+        for r in self.table:
+            actions += self._finish(r, ErrorCode.UNAVAILABLE, message)
+        return actions
+
+    def _finish(self, r: Request, code: Union[ErrorCode, str, None] = None, message: str = "",
+                pump: bool = True) -> list[Action]:
+        """The one end of every request: one Reply or Fail first, then free everything it held."""
+        if self.table.pop(r.req) is None:
+            return []
+        actions: list[Action] = []
+        if r.kind is not Kind.WARM:
+            actions.append(Reply(r) if code is None else Fail(r, code, message))
+        if code is not None or r.kind is not Kind.COMPOSITE:
+            actions += [ReleaseImages(c, r.req) for c in sorted(r.image_slots)]   # else the shell frees them once sent
+        for c in self.compositors:
+            c.active.discard(r.req)
+        touched = {r.worker} if r.worker is not None else set()
+        touched |= {w.index for w in self.workers if r.req in w.active}
+        for index in sorted(touched):
+            worker = self.workers[index]
+            worker.active.discard(r.req)
+            if r in worker.queue:
+                worker.queue.remove(r)
+            if worker.warming.get(r.model) == r.req:
+                del worker.warming[r.model]
+                if code is not None:   # the load failed: so do the requests waiting for it
+                    for waiting in [q for q in worker.queue if q.model == r.model]:
+                        actions += self._finish(waiting, code, message, pump=False)
+            if index == r.worker:
+                if r.in_slot:
+                    worker.free_slots += 1
+                    actions.append(FreeInput(index, r.req))
+                if r.dispatched:
+                    actions.append(ReleaseOutput(index, r.req))
+            if pump:
+                actions += self._pump(worker)
+        r.in_slot = r.dispatched = False
+        return actions
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def loaded(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for w in self.workers:
+            for model in sorted(w.models):
+                out.setdefault(model, []).append(w.index)
+        return out
+
+    def synced(self) -> bool:
+        return all(p.pid is not None for p in [*self.workers, *self.compositors])
+
+
+def merge_model_stats(reports: list[StatsReport]) -> dict[str, dict[str, float]]:
+    """Per-model stats of several workers as one: counts add up; latencies, load time and last use
+    take the highest worker's value."""
+    merged: dict[str, dict[str, float]] = {}
+    for report in reports:
+        for model, stats in report.models.items():
+            into = merged.setdefault(model, {})
+            for key, value in stats.items():
+                if key.startswith("inference_ms") or key in ("last_used", "load_ms"):
+                    into[key] = max(into.get(key, 0.0), value)
+                else:
+                    into[key] = into.get(key, 0) + value
+    return merged

@@ -1,0 +1,216 @@
+"""The edge's end of the bridge: `RemoteWorker`, one process per GPU host in `bridge.hosts`.
+
+To the edge's frontend and compositors it is an inference worker like any other (same input ring,
+output ring, messages); it copies each batch from its input slot into the socket once (RemoteInfer,
+tensors as raw frames, the deadline as the budget left), and the mouths from the socket into an output
+slot once. Heartbeats tell it when a host goes away (its requests then get `unavailable` from the
+frontend) and when it is back (used again, no restart of the edge). The GPU host's end is
+frontend/bridge.py. Everything the host sends is checked like a client request: a malformed or
+unexpected message is logged and dropped, never fatal.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from typing import Optional
+
+import msgspec
+import numpy as np
+import zmq
+
+from config import Config
+from config.geometry import MOUTH_SHAPE, mouths_from_uint8, valid_model_id
+from config.keys import make_client
+from gpu_actor.worker import hand_off
+from shm.child import child_main
+from shm.codes import ErrorCode, ProcState
+from shm.endpoints import RunSpec, make_socket, network_socket
+from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
+                          ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, decode,
+                          encode)
+from shm.ring import RingError, SlotRing
+
+log = logging.getLogger(__name__)
+FROM_HOST = (Pong, InferDone, LoadDone, StatsReport)
+
+class RemoteWorker:
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
+        self.config, self.index = config, index
+        self.device = run.devices[index]
+        self.endpoint = self.device.removeprefix("remote:")
+        host = next(h for h in config.bridge.hosts if h.endpoint == self.endpoint)
+        ep = run.endpoints
+        self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
+        self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
+        self.to_cpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in ep.cpu]
+        self.inputs = SlotRing.attach(run.input_rings[index])
+        self.outputs = SlotRing.attach(run.output_rings[index])
+        self.outputs.become_writer()
+        self.host = network_socket(ctx, zmq.DEALER, config.limits.max_message_bytes)
+        if config.bridge.client_secret_key:
+            make_client(self.host, config.bridge.client_secret_key, host.server_key, "bridge")
+        self.host.connect(self.endpoint)
+        self.pending: dict[int, InferTask] = {}
+        # "ready", "starting" (host answers, none of its workers is ready yet) or "unreachable";
+        # None until the first heartbeat is answered or missed (the supervisor has said "ready").
+        self.state: Optional[ProcState] = None
+        self.loaded: set[str] = set()
+        self._last_pong = time.monotonic()
+        self._next_ping = 0.0
+        self._next_report = 0.0
+        self._stopping = False
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self.inputs.close()
+        self.outputs.close()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.tasks, zmq.POLLIN)
+        poller.register(self.host, zmq.POLLIN)
+        beat = self.config.bridge.heartbeat_s
+        while not self._stopping:
+            events = dict(poller.poll(int(beat * 1000 / 2)))
+            if events.get(self.host):
+                while self.host.poll(0):
+                    frames = self.host.recv_multipart(copy=False)
+                    try:
+                        self._from_host(frames)
+                    except Exception as err:  # a peer's message must never end this process
+                        log.warning("dropped a malformed message from GPU host %s: %s: %s", self.endpoint,
+                                    type(err).__name__, err)
+            if events.get(self.tasks):
+                while self.tasks.poll(0):
+                    self._from_frontend(decode(self.tasks.recv()))
+            self._heartbeat()
+
+    def _send_host(self, frames: list) -> bool:
+        try:
+            self.host.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)  # the one copy into the socket
+            return True
+        except zmq.Again:
+            return False
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_ping:
+            self._send_host([encode(Ping(sent=now))])
+            self._next_ping = now + self.config.bridge.heartbeat_s
+        if self.state is not ProcState.UNREACHABLE and now - self._last_pong > self.config.bridge.dead_after_s:
+            log.warning("GPU host %s does not answer heartbeats", self.endpoint)
+            self.state = ProcState.UNREACHABLE
+            self.pending.clear()  # the frontend answers them all `unavailable`
+            self._report(self.state)
+        elif self.state in (ProcState.UNREACHABLE, ProcState.STARTING) and now >= self._next_report:
+            # Repeated while not ready, so a restarted frontend learns it too, and so it outlasts the
+            # supervisor's own "ready" for this process should that arrive later.
+            self._report(self.state)
+
+    def _report(self, state: ProcState) -> None:
+        self._next_report = time.monotonic() + 1.0
+        self.to_frontend.send(encode(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
+                                                  device=self.device)))
+
+    def _from_frontend(self, msg) -> None:
+        if isinstance(msg, InferTask):
+            not_ready = {ProcState.UNREACHABLE: "is unreachable",
+                         ProcState.STARTING: "has no ready inference worker"}.get(self.state)
+            if not_ready:
+                self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
+                return
+            budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
+            frames = [encode(RemoteInfer(
+                req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]),
+                visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
+                version=msg.version))]
+            if msg.visual is not None:
+                frames.append(self.inputs.read(msg.visual))
+            frames.append(self.inputs.read(msg.audio))
+            if not self._send_host(frames):
+                self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} is not connected; retry")
+                return
+            self.pending[msg.req] = msg
+        elif isinstance(msg, ReleaseTask):
+            self.outputs.release_request(msg.req)
+        elif isinstance(msg, StatsQuery):
+            self._send_host([encode(msg)])  # the host answers for all its workers at once
+        elif isinstance(msg, (LoadModel, UnloadModel)):
+            if not self._send_host([encode(msg)]):
+                self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
+                                                      code=ErrorCode.UNAVAILABLE,
+                                                      message=f"GPU host {self.endpoint} is unreachable")))
+        elif isinstance(msg, ResetRequests):
+            self.pending.clear()
+            self.outputs.become_writer()
+
+    def _done(self, req: int, code: ErrorCode, message: str) -> None:
+        self.to_frontend.send(encode(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
+
+    def _from_host(self, frames: list) -> None:
+        msg = decode(frames[0].buffer)
+        if not isinstance(msg, FROM_HOST):
+            raise ValueError(f"a {type(msg).__name__} is not a message a GPU host sends")
+        if isinstance(msg, Pong):
+            self._last_pong = time.monotonic()
+            state = ProcState.READY if msg.workers_ready else ProcState.STARTING
+            if state != self.state:
+                log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
+                if self.state is not None or state is not ProcState.READY:
+                    self._report(state)
+                self.state = state
+            self._sync_models({m for m in msg.loaded if valid_model_id(m)})
+        elif isinstance(msg, InferDone):
+            self._infer_done(msg, frames[1:])
+        elif isinstance(msg, (LoadDone, StatsReport)):
+            self.to_frontend.send(encode(msgspec.structs.replace(msg, worker=self.index)))
+
+    def _sync_models(self, loaded: set[str]) -> None:
+        for model, event in [(m, "loaded") for m in loaded - self.loaded] + [(m, "unloaded") for m in self.loaded - loaded]:
+            self.to_frontend.send(encode(ModelEvent(worker=self.index, model=model, event=event)))
+        self.loaded = loaded
+
+    def _infer_done(self, msg: InferDone, data: list) -> None:
+        task = self.pending.pop(msg.req, None)
+        if task is None:
+            return  # the request ended meanwhile (deadline, host lost)
+        if not msg.ok:
+            self._done(task.req, msg.code, msg.message)
+            return
+        shape = (task.batch, *MOUTH_SHAPE)
+        elements = int(np.prod(shape))
+        size = len(data[0].buffer) if len(data) == 1 else -1
+        if size not in (elements, 4 * elements):
+            self._done(task.req, ErrorCode.INTERNAL, f"GPU host {self.endpoint} sent {size} bytes of mouths for a "
+                       f"batch of {task.batch}; expected uint8 or float32 {list(shape)}")
+            return
+        mouths = np.frombuffer(data[0].buffer, np.uint8 if size == elements else "<f4")
+        try:
+            slot = self.outputs.acquire(task.req, timeout_s=5.0, wait=self._wait_for_release)
+        except RingError as err:
+            self._done(task.req, ErrorCode.TIMEOUT, str(err))
+            return
+        out = self.outputs.writable(slot, 0, "float32", shape)
+        if mouths.dtype == np.uint8:
+            mouths_from_uint8(mouths.reshape(shape), out)
+        else:
+            out[...] = mouths.reshape(shape)
+        ref = self.outputs.ref(slot, 0, "float32", shape)
+        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
+                                               queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
+                                               input_ms=msg.input_ms)))
+        hand_off(self.to_cpu, task, self.index, ref)
+
+    def _wait_for_release(self, remaining_s: float) -> None:
+        if self.tasks.poll(int(remaining_s * 1000) + 1):
+            self._from_frontend(decode(self.tasks.recv()))
+
+
+def run_remote_worker_process(config: Config, run: RunSpec, index: int) -> None:
+    child_main("gpu", index, run, lambda ctx: RemoteWorker(ctx, config, run, index))
