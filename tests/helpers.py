@@ -202,14 +202,19 @@ def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role:
 
 
 @contextmanager
-def gpu_host(tmp_path: Path, config: dict):
-    """A `--role gpu` supervisor; ready once it prints its summary."""
+def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0):
+    """A `--role gpu` supervisor; ready once it prints its summary. With `clock_skew_s`, every process of
+    it reads a monotonic clock that far ahead (tests/skewed_clock): a host with another uptime."""
     cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = cfg.with_suffix(".log")
+    env = dict(os.environ)
+    if clock_skew_s:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "skewed_clock"), env.get("PYTHONPATH", "")])
+        env["LIPSYNC_TEST_CLOCK_SKEW_S"] = str(clock_skew_s)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + 60
     while "role gpu: serving" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]

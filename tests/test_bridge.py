@@ -162,3 +162,73 @@ def test_tenants_reach_only_their_models(tmp_path, models, keys):
         with srv.client(curve=None, timeout_s=2) as c, pytest.raises(ClientTimeout):
             c.health()
         assert "refused a client with unknown CURVE key" in srv.log.read_text()
+
+
+@pytest.mark.parametrize("skew_s", [1e6, -1e6], ids=["gpu host up longer", "gpu host up shorter"])
+def test_deadlines_hold_across_hosts_whose_clocks_differ(tmp_path, models, keys, skew_s):
+    """Two hosts never share a monotonic clock: the GPU host reads its own 11.6 days ahead (or behind).
+    Deadlines cross as budgets, so requests are served, and a short deadline still times out."""
+    port = free_port()
+    with gpu_host(tmp_path, gpu_config(models, keys, port), clock_skew_s=skew_s):
+        with run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
+            _remote_ready(c)
+            header, images = c.composite("a", AUDIO, format="jpeg")
+            assert header["ok"] and len(images) == 4
+            c.load("slow")
+
+            async def burst():   # one runs, the rest wait on the GPU host past their 300 ms
+                async with AsyncClient(edge.endpoint, timeout_s=30) as ac:
+                    tasks = [ac.composite("slow", np.zeros((8, 32, 16, 16), np.float32), timeout_ms=300)
+                             for _ in range(3)]
+                    return await asyncio.gather(*tasks, return_exceptions=True)
+
+            results = asyncio.run(burst())
+            assert any(isinstance(r, ServerError) and r.code == "timeout" for r in results), results
+
+
+def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
+    """An authorized edge that sends garbage: each bad message is dropped (or answered bad_request),
+    and the GPU host's bridge keeps serving without a restart."""
+    import msgspec
+    import zmq
+
+    from shm.messages import InferDone, Pong, RemoteInfer, encode
+
+    port = free_port()
+    with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        curve = curve_keys(str(keys / "edge.key_secret"), str(keys / "gpu.key"))
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = curve["secret"], curve["public"], curve["server"]
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        audio = np.zeros((1, 32, 16, 16), np.float32).tobytes()
+
+        def infer(**kw) -> bytes:
+            fields = dict(req=1, model="a", batch=1, audio_shape=(32, 16, 16), visual=False, frames=[0],
+                          composite=True, budget_ms=5000.0)
+            return encode(RemoteInfer(**{**fields, **kw}))
+
+        try:
+            for frames in ([b"\xff\x00garbage"], [msgspec.msgpack.encode(["Ping"])], [encode(Pong(sent=0, loaded=[]))],
+                           [encode(InferDone(req=3, worker=0, ok=True))], []):
+                sock.send_multipart(frames if frames else [b""])
+            refused = {2: infer(req=2, batch=99, frames=[0] * 99), 4: infer(req=4, audio_shape=(1 << 20,)),
+                       5: infer(req=5), 6: infer(req=6, frames=[10_000])}
+            for req, msg in refused.items():
+                sock.send_multipart([msg] + ([audio[:8]] if req == 5 else [audio]))
+            answers = {}
+            while len(answers) < len(refused) and sock.poll(20_000):
+                reply = msgspec.msgpack.decode(sock.recv_multipart()[0], type=InferDone)
+                answers[reply.req] = reply
+            assert set(answers) == set(refused), answers
+            assert all(not a.ok and a.code in ("bad_request",) for a in answers.values()), answers
+            assert "limits.max_batch" in answers[2].message and "frame 10000" in answers[6].message, answers
+            sock.send_multipart([infer(req=7), audio])   # the bridge still serves
+            assert sock.poll(20_000)
+            assert msgspec.msgpack.decode(sock.recv_multipart()[0], type=InferDone).ok
+        finally:
+            sock.close()
+            ctx.term()
+        log = gpu_log.read_text()
+        assert "died" not in log and "dropped a malformed message from an edge" in log, log[-3000:]

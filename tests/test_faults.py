@@ -223,3 +223,56 @@ def test_loading_a_model_does_not_stall_other_models(models, tmp_path):
                 return served_during_load
 
         assert asyncio.run(main()) >= 2
+
+
+@pytest.fixture(scope="module")
+def cold_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cold")
+    make_avatar(root, "fast", n_frames=4)
+    for name in ("cold1", "cold2"):
+        make_avatar(root, name, n_frames=2, kind="unet328")
+    return root
+
+
+def test_requests_for_a_loading_model_do_not_stall_a_warm_one(cold_models, tmp_path):
+    """One input slot: before, requests for a model still loading took it for the whole load."""
+    with run_server(tmp_path, base_config(cold_models, **{"shm.slots": 1})) as srv:
+        with srv.client() as c:
+            c.load("fast")
+
+        async def main():
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+                done = []
+
+                async def one(model):
+                    await client.composite(model, np.zeros((1, 32, 16, 16), np.float32))
+                    done.append(model)
+
+                cold = [asyncio.create_task(one("cold1")) for _ in range(2)]
+                await asyncio.sleep(0.05)
+                await one("fast")
+                await asyncio.gather(*cold)
+                return done
+
+        assert asyncio.run(main())[0] == "fast"
+
+
+def test_a_worker_that_dies_during_load_answers_unavailable_at_once(cold_models, tmp_path):
+    with run_server(tmp_path, base_config(cold_models)) as srv:
+        pid = srv.pids("gpu")[0]
+
+        async def main():
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+                load = asyncio.create_task(client.request("load", model="cold2", timeout_ms=30_000))
+                await asyncio.sleep(0.3)
+                os.kill(pid, signal.SIGKILL)
+                killed = time.monotonic()
+                try:
+                    await load
+                    return "ok", 0.0
+                except ServerError as err:
+                    return err.code, time.monotonic() - killed
+
+        code, after = asyncio.run(main())
+        assert code == "unavailable" and after < 5.0, (code, after)
+        _wait_ready(srv, "gpu", pid)

@@ -1,0 +1,198 @@
+"""The request engine alone (no processes, no sockets): every end of every kind of request sends exactly
+one reply and frees exactly what the request held."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Reply,
+                             Request, ResetInputs, Scheduler, SendWorker)
+from shm.codes import ErrorCode, ModelEventKind, ProcState
+from shm.messages import CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsReport
+
+
+def engine(workers: int = 1, compositors: int = 2, slots: int = 2, queue_depth: int = 4) -> Scheduler:
+    e = Scheduler([f"cpu{i}" for i in range(workers)], compositors, slots, queue_depth)
+    for i in range(workers):
+        assert e.process_event("gpu", i, ProcState.READY, pid=100 + i) == []
+        e.model_event(ModelEvent(worker=i, model="m", event=ModelEventKind.LOADED))
+    for i in range(compositors):
+        e.process_event("cpu", i, ProcState.READY, pid=200 + i)
+    return e
+
+
+def of(actions, kind) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def ends(actions) -> list:
+    return of(actions, Reply) + of(actions, Fail)
+
+
+def held(e: Scheduler) -> dict:
+    """What the engine still holds for anyone: must be nothing once every request has ended."""
+    return {"requests": len(e.table), "slots": sum(w.slots - w.free_slots for w in e.workers),
+            "active": sum(len(w.active) for w in e.workers) + sum(len(c.active) for c in e.compositors),
+            "queued": sum(len(w.queue) for w in e.workers), "connections": e.table.connections()}
+
+
+NOTHING = {"requests": 0, "slots": 0, "active": 0, "queued": 0, "connections": 0}
+
+
+def submit(e: Scheduler, kind=Kind.COMPOSITE, model="m", batch=4, deadline=100.0, conn="c1"):
+    r = Request(kind, model, batch, deadline=deadline, conn=conn)
+    return r, e.submit(r, now=0.0)
+
+
+def test_composite_done_replies_once_and_frees_input_output_and_compositors():
+    e = engine()
+    r, actions = submit(e)
+    (d,) = of(actions, Dispatch)
+    assert [(c.compositor, c.start, c.end) for c in d.plan] == [(0, 0, 2), (1, 2, 4)] or len(d.plan) == 2
+    actions = e.infer_done(InferDone(req=r.req, worker=0, ok=True, queue_ms=1.0, inference_ms=2.0))
+    assert of(actions, FreeInput) == [FreeInput(0, r.req)] and not ends(actions)
+    for chunk in d.plan:
+        actions = e.composite_done(CompositeDone(req=r.req, compositor=chunk.compositor, start=chunk.start,
+                                                 end=chunk.end, ok=True, width=8, height=6), [b"x"] * 2)
+    assert ends(actions) == [Reply(r)] and of(actions, ReleaseOutput) == [ReleaseOutput(0, r.req)]
+    assert actions.index(Reply(r)) < actions.index(ReleaseOutput(0, r.req)), "reply before the slot is freed"
+    assert r.size == (8, 6) and sum(len(v) for v in r.images.values()) == 4
+    assert held(e) == NOTHING
+
+
+def test_infer_reply_is_built_before_its_output_slot_is_released():
+    e = engine()
+    r, _ = submit(e, Kind.INFER)
+    actions = e.infer_done(InferDone(req=r.req, worker=0, ok=True, output=None))
+    assert [type(a) for a in actions][:3] == [FreeInput, Reply, ReleaseOutput]
+    assert held(e) == NOTHING
+
+
+@pytest.mark.parametrize("end", ["deadline", "client_gone", "worker_dies", "compositor_dies", "worker_error",
+                                 "compositor_error", "shutdown", "shell_fails"])
+def test_every_end_of_a_running_composite_frees_exactly_what_it_held(end):
+    e = engine()
+    r, actions = submit(e)
+    (d,) = of(actions, Dispatch)
+    if end not in ("worker_dies", "worker_error", "deadline", "client_gone", "shutdown", "shell_fails"):
+        e.infer_done(InferDone(req=r.req, worker=0, ok=True))   # now compositing
+    raw = CompositeDone(req=r.req, compositor=d.plan[0].compositor, start=d.plan[0].start, end=d.plan[0].end,
+                        ok=True, images=None)
+    actions = {
+        "deadline": lambda: e.tick(100.0),
+        "client_gone": lambda: e.client_gone("c1"),
+        "worker_dies": lambda: e.process_event("gpu", 0, ProcState.RESTARTING, pid=None, restarts=1),
+        "compositor_dies": lambda: e.process_event("cpu", 1, ProcState.RESTARTING, pid=None, restarts=1),
+        "worker_error": lambda: e.infer_done(InferDone(req=r.req, worker=0, ok=False, code=ErrorCode.INTERNAL,
+                                                       message="model m failed")),
+        "compositor_error": lambda: e.composite_done(
+            CompositeDone(req=r.req, compositor=raw.compositor, start=raw.start, end=raw.end, ok=False,
+                          code=ErrorCode.BAD_REQUEST, message="bad rects"), []),
+        "shutdown": lambda: e.shutdown("stopping"),
+        "shell_fails": lambda: e.fail(r.req, ErrorCode.INTERNAL, "writing inputs failed"),
+    }[end]()
+    (fail,) = ends(actions)
+    assert isinstance(fail, Fail) and fail.request is r
+    expected = {"deadline": ErrorCode.TIMEOUT, "client_gone": CLIENT_GONE, "worker_dies": ErrorCode.UNAVAILABLE,
+                "compositor_dies": ErrorCode.UNAVAILABLE, "worker_error": ErrorCode.INTERNAL,
+                "compositor_error": ErrorCode.BAD_REQUEST, "shutdown": ErrorCode.UNAVAILABLE,
+                "shell_fails": ErrorCode.INTERNAL}[end]
+    assert fail.code == expected
+    if end == "worker_dies":
+        assert of(actions, ResetInputs) == [ResetInputs(0)]   # its slots died with it
+    elif end in ("deadline", "client_gone", "shutdown", "shell_fails"):
+        assert FreeInput(0, r.req) in actions and ReleaseOutput(0, r.req) in actions
+    else:
+        assert ReleaseOutput(0, r.req) in actions
+    assert held(e) == NOTHING
+    # Late messages for the ended request free what they carry and answer nobody.
+    late = e.infer_done(InferDone(req=r.req, worker=0, ok=True))
+    assert late == [ReleaseOutput(0, r.req)]
+    raw_late = e.composite_done(CompositeDone(req=r.req, compositor=0, start=0, end=2, ok=True,
+                                              images=object()), [])
+    assert raw_late == [ReleaseImages(0, r.req)]
+
+
+def test_queue_full_is_overloaded_and_queued_requests_take_freed_slots_in_order():
+    e = engine(slots=1, queue_depth=2)
+    first, a1 = submit(e)
+    queued = [submit(e)[0] for _ in range(2)]
+    over, a4 = submit(e)
+    assert of(a1, Dispatch) and ends(a4)[0].code is ErrorCode.OVERLOADED
+    assert "limits.queue_depth" in ends(a4)[0].message
+    actions = e.infer_done(InferDone(req=first.req, worker=0, ok=False, code=ErrorCode.INTERNAL, message="x"))
+    assert [a.request for a in of(actions, Dispatch)] == [queued[0]]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+@pytest.mark.parametrize("kind", [Kind.LOAD, Kind.UNLOAD, Kind.STATS])
+def test_control_ops_are_their_workers_work(kind):
+    e = engine(workers=2)
+    r, actions = submit(e, kind, model="m" if kind is not Kind.STATS else None)
+    targets = {a.worker for a in of(actions, SendWorker)}
+    assert targets == ({0} if kind is Kind.LOAD else {0, 1})
+    # A worker that dies meanwhile: a load waiting on it fails at once; unload and stats stop waiting.
+    actions = e.process_event("gpu", 0, ProcState.RESTARTING, restarts=1)
+    if kind is Kind.LOAD:
+        assert ends(actions)[0].code is ErrorCode.UNAVAILABLE
+    else:
+        assert not ends(actions)
+        answer = (StatsReport(req=r.req, worker=1, device="cpu", models={}, loaded=[], queue=0)
+                  if kind is Kind.STATS else LoadDone(req=r.req, worker=1, model="m", ok=True))
+        assert ends(e.control_done(answer)) == [Reply(r)]
+    assert held(e) == NOTHING
+
+
+def test_stats_answers_with_what_came_after_its_gathering_deadline():
+    e = engine(workers=2)
+    r, _ = submit(e, Kind.STATS, model=None)
+    e.control_done(StatsReport(req=r.req, worker=1, device="cpu", models={}, loaded=[], queue=0))
+    assert e.tick(e.stats_timeout_s - 0.01) == []
+    assert ends(e.tick(e.stats_timeout_s)) == [Reply(r)] and r.waiting_on == {0}
+    assert held(e) == NOTHING
+
+
+def test_a_cold_model_is_loaded_without_holding_a_slot_and_warm_requests_pass_it():
+    e = engine(slots=1)
+    cold, actions = submit(e, model="cold")
+    (load,) = of(actions, SendWorker)
+    assert isinstance(load.message, LoadModel) and load.message.model == "cold" and not of(actions, Dispatch)
+    warm, actions = submit(e, model="m")
+    assert [a.request for a in of(actions, Dispatch)] == [warm], "a warm request waits behind a cold load"
+    e.infer_done(InferDone(req=warm.req, worker=0, ok=False, code=ErrorCode.INTERNAL, message="x"))
+    actions = e.control_done(LoadDone(req=load.message.req, worker=0, model="cold", ok=True))
+    assert [a.request for a in of(actions, Dispatch)] == [cold] and not ends(actions)
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+def test_a_failed_cold_load_fails_the_requests_waiting_for_it():
+    e = engine()
+    waiting = [submit(e, model="broken")[0] for _ in range(2)]
+    load = next(r for r in e.table if r.kind is Kind.WARM)
+    actions = e.control_done(LoadDone(req=load.req, worker=0, model="broken", ok=False,
+                                      code=ErrorCode.BAD_REQUEST, message="model broken: not ONNX"))
+    assert sorted(f.request.req for f in ends(actions)) == sorted(r.req for r in waiting)
+    assert all(f.code is ErrorCode.BAD_REQUEST and "not ONNX" in f.message for f in ends(actions))
+    assert held(e) == NOTHING
+
+
+def test_no_ready_worker_or_compositor_is_unavailable():
+    e = Scheduler(["cpu"], 1, 1, 4)
+    _, actions = submit(e)
+    assert ends(actions)[0].code is ErrorCode.UNAVAILABLE and "worker 0 (cpu) is starting" in ends(actions)[0].message
+    e.process_event("gpu", 0, ProcState.READY, pid=1)
+    e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.LOADED))
+    _, actions = submit(e)
+    assert ends(actions)[0].code is ErrorCode.UNAVAILABLE and "compositing" in ends(actions)[0].message
+    assert held(e) == NOTHING
+
+
+def test_messages_naming_unknown_workers_or_requests_are_ignored():
+    e = engine()
+    assert e.infer_done(InferDone(req=999, worker=7, ok=True)) == []
+    assert e.control_done(LoadDone(req=999, worker=0, model="m", ok=True)) == []
+    assert e.model_event(ModelEvent(worker=-1, model="m", event=ModelEventKind.LOADED)) == []
+    assert e.process_event("gpu", 5, ProcState.READY) == []
+    assert held(e) == NOTHING
