@@ -14,7 +14,7 @@ import pytest
 import zmq
 from onnx import TensorProto, helper
 
-from tests.helpers import base_config, make_avatar, run_server
+from tests.helpers import base_config, free_port, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
 AUDIO1 = np.zeros((1, 32, 16, 16), np.float32).tobytes()
@@ -71,7 +71,9 @@ def server(models, tmp_path_factory):
     # The broken avatars are preloaded too: before, a NaN rect crash-looped every compositor.
     cfg = base_config(models, **{"compositing.preload": ["nan", "huge", "bomb", "a"]})
     cfg["limits"]["max_message_bytes"] = 5 << 20
+    cfg["metrics"]["port"] = free_port()
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
+        srv.metrics_port = cfg["metrics"]["port"]
         srv.initial_pids = _pids(srv)
         yield srv
         assert _pids(srv) == srv.initial_pids, "a process died (and was restarted) during these tests"
@@ -172,3 +174,44 @@ def test_deeply_nested_json_is_a_bad_request(server):
 def test_oversized_messages_are_refused_before_parsing(server, frames, hint):
     err = _error(_ask(server, frames))
     assert err["code"] == "bad_request" and hint in err["message"], err
+
+
+def test_a_model_whose_files_never_answer_does_not_hold_other_clients_up(server, models):
+    """crop_rects.json is a FIFO nobody writes: reading it blocks for good. Other clients are served
+    meanwhile, and the request itself gets `timeout` at its deadline."""
+    import os
+    import threading
+    import time
+
+    d = make_avatar(models, "fifo", n_frames=2)
+    (d / "crop_rects.json").unlink()
+    os.mkfifo(d / "crop_rects.json")
+    try:
+        answer = {}
+        header = b'{"op": "composite", "model": "fifo", "batch": 1, "timeout_ms": 1500}'
+        blocked = threading.Thread(target=lambda: answer.update(replies=_ask(server, [header, AUDIO1])))
+        blocked.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        with server.client(timeout_s=10) as c:
+            assert c.health()["status"] == "ready"
+            assert c.composite("a", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+        served_in = time.monotonic() - t0
+        blocked.join(30)
+        err = _error(answer["replies"])
+        assert err["code"] == "timeout" and "fifo" in err["message"], err
+        assert served_in < 1.2, f"other clients waited {served_in:.1f} s behind the blocked read"
+    finally:
+        fd = os.open(d / "crop_rects.json", os.O_WRONLY | os.O_NONBLOCK)   # release the blocked reader
+        os.write(fd, b"[]")
+        os.close(fd)
+        shutil.rmtree(d)
+
+
+def test_unknown_model_ids_share_one_metrics_label(server):
+    import urllib.request
+
+    for k in range(5):
+        _ask(server, [json.dumps({"op": "composite", "model": f"nobody{k}", "batch": 1}).encode(), AUDIO1])
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'model="_other"' in body and "nobody" not in body
