@@ -80,6 +80,7 @@ class LimitsConfig(_Section):
     max_audio_elements: PosInt = 256 * 16 * 32
     max_message_bytes: PosInt = 512 * 1024 * 1024
     max_header_bytes: Annotated[int, msgspec.Meta(ge=256)] = 64 * 1024
+    max_client_backlog_bytes: PosInt = 256 * 1024 * 1024
 
 
 class InferenceConfig(_Section):

@@ -31,6 +31,10 @@ class Metrics:
         self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots in use per inference worker",
                                   ["worker"], registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
+        self.replies_dropped = Counter("lipsync_replies_dropped", "Replies dropped because their client did not "
+                                       "read (limits.max_client_backlog_bytes)", registry=r)
+        self.backlog_bytes = Gauge("lipsync_client_backlog_bytes", "Reply bytes clients have not read yet, all "
+                                   "connections together", registry=r)
 
     def serve(self, host: str, port: int) -> None:
         if port:

@@ -28,6 +28,7 @@ from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset
 from config.keys import load_public, make_server, start_authenticator
 from frontend import control
 from frontend import protocol as P
+from frontend.backlog import Backlogs
 from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Reply,
                              Request, ResetInputs, Scheduler, SendWorker)
@@ -45,6 +46,7 @@ from shm.ring import SlotRing, StaleHandle
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
 TRACKER_POLL_S = 0.002
+SENT = type("Sent", (), {"done": True})()   # stands for the tracker of a send that failed
 KINDS = {P.Op.INFER: Kind.INFER, P.Op.COMPOSITE: Kind.COMPOSITE, P.Op.LOAD: Kind.LOAD, P.Op.UNLOAD: Kind.UNLOAD,
          P.Op.STATS: Kind.STATS}
 
@@ -105,6 +107,7 @@ class Frontend:
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
+        self.backlogs = Backlogs(lim.max_client_backlog_bytes)
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = float("inf")
         self.metrics.serve(config.metrics.host, config.metrics.port)
@@ -200,6 +203,7 @@ class Frontend:
                 event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+            self.backlogs.closed((index, event["value"]))
             actions = self.engine.client_gone((index, event["value"]))
             if actions:
                 log.info("a client disconnected with request(s) open: ended them")
@@ -384,11 +388,40 @@ class Frontend:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _send(self, client: Client, header: bytes, data: list = (), track: bool = False):
-        envelope = client.envelope
-        if track:  # NOTE: pyzmq cannot track a message that resends received (untracked) frames
-            envelope = [f.bytes if isinstance(f, zmq.Frame) else f for f in envelope]
-        return client.sock.send_multipart([*envelope, header, *data], copy=False, track=track)
+    def _send(self, client: Client, header: bytes, data: list = (), req: int = 0, image_slots=()) -> bool:
+        """Send a reply unless the connection's unread backlog is full (then drop it and return False).
+        Raw frames leave from the image ring without a copy, except to a connection with a backlog:
+        those are copied first, so a client that stops reading pins no image slot for long."""
+        nbytes = len(header) + sum(memoryview(d).nbytes for d in data)
+        entry = self.backlogs.admit(client.conn, nbytes)
+        if entry is None:
+            self.metrics.replies_dropped.inc()
+            log.warning("dropped a reply of %d bytes: the client has %d bytes unread "
+                        "(limits.max_client_backlog_bytes)", nbytes, self.backlogs.queued(client.conn))
+            self.metrics.backlog_bytes.set(self.backlogs.total())
+            self._release_images(req, image_slots)
+            return False
+        if image_slots and self.backlogs.queued(client.conn) > nbytes:   # it was not idle
+            data = [bytes(d) for d in data]
+            self._release_images(req, image_slots)
+            image_slots = ()
+        # NOTE: pyzmq cannot track a message that resends received (untracked) frames: send their
+        # buffers instead (still no copy; the memoryview keeps the received frame alive).
+        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*client.envelope, header, *data)]
+        sent = client.sock.send_multipart(frames, copy=False, track=True)
+        sent.add_done_callback(lambda f: self._sent(f, entry))
+        if image_slots:
+            self._release_when_sent(sent, req, set(image_slots))
+        return True
+
+    @staticmethod
+    def _sent(future, entry: list) -> None:
+        if future.cancelled() or future.exception() is not None:
+            if not future.cancelled():
+                log.error("sending a reply failed: %r", future.exception())
+            entry[0] = SENT
+        else:
+            entry[0] = future.result()
 
     def _error(self, client: Client, request_id, code: ErrorCode, message: str) -> None:
         self._send(client, P.error_reply(request_id, ErrorCode(code), message))
@@ -445,11 +478,8 @@ class Frontend:
             header, data = self._composite_reply(r)
         else:
             header, data = control.reply(self, r), []
-        self._outcome(r, "ok")
-        if r.image_slots:
-            self._release_when_sent(self._send(call.client, header, data, track=True), r.req, r.image_slots)
-        else:
-            self._send(call.client, header, data)
+        sent = self._send(call.client, header, data, r.req, r.image_slots)
+        self._outcome(r, "ok" if sent else "dropped")
 
     def _timing(self, r: Request) -> P.Timing:
         return P.Timing(**r.timing, total_ms=(time.monotonic() - r.data.t0) * 1000)
@@ -529,6 +559,7 @@ class Frontend:
         self._gauges()
 
     def _gauges(self) -> None:
+        self.metrics.backlog_bytes.set(self.backlogs.total())
         for w in self.engine.workers:
             label = str(w.index)
             self.metrics.queue_depth.labels(label).set(len(w.active))

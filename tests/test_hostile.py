@@ -71,6 +71,8 @@ def server(models, tmp_path_factory):
     # The broken avatars are preloaded too: before, a NaN rect crash-looped every compositor.
     cfg = base_config(models, **{"compositing.preload": ["nan", "huge", "bomb", "a"]})
     cfg["limits"]["max_message_bytes"] = 5 << 20
+    cfg["limits"]["max_client_backlog_bytes"] = 4 << 20
+    cfg["limits"]["queue_depth"] = 64
     cfg["metrics"]["port"] = free_port()
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
         srv.metrics_port = cfg["metrics"]["port"]
@@ -215,3 +217,43 @@ def test_unknown_model_ids_share_one_metrics_label(server):
         _ask(server, [json.dumps({"op": "composite", "model": f"nobody{k}", "batch": 1}).encode(), AUDIO1])
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     assert 'model="_other"' in body and "nobody" not in body
+
+
+def test_a_client_that_stops_reading_is_bounded_and_holds_no_one_up(server):
+    """A client sends 60 raw requests (110 MB of replies) and reads nothing: its unread replies stay
+    under limits.max_client_backlog_bytes (the rest are dropped and counted), the frontend's memory
+    does not grow with them, and another client's raw requests are served meanwhile."""
+    import time
+    import urllib.request
+
+    import psutil
+
+    def metric(name: str) -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(name + " "))
+
+    frontend = psutil.Process(next(p for (role, _), p in server.initial_pids.items() if role == "frontend"))
+    rss_before, dropped_before = frontend.memory_info().rss, metric("lipsync_replies_dropped_total")
+    ctx = zmq.Context()
+    stalled = ctx.socket(zmq.DEALER)
+    stalled.setsockopt(zmq.RCVHWM, 1)             # libzmq itself stops taking replies off the wire
+    stalled.setsockopt(zmq.RCVBUF, 64 * 1024)
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.connect(server.endpoint)
+    try:
+        header = json.dumps({"op": "composite", "model": "a", "batch": 8, "format": "raw"}).encode()
+        for _ in range(60):
+            stalled.send_multipart([b"", header, np.zeros((32, 16, 16), np.float32).tobytes()])
+        deadline = time.monotonic() + 60
+        while metric("lipsync_replies_dropped_total") - dropped_before < 40:
+            assert time.monotonic() < deadline, "replies to a client that reads nothing were not dropped"
+            time.sleep(0.2)
+        with server.client(timeout_s=20) as c:
+            for _ in range(3):
+                header_ok, images = c.composite("a", np.zeros((8, 32, 16, 16), np.float32), format="raw")
+                assert header_ok["ok"] and len(images) == 8
+        grown = frontend.memory_info().rss - rss_before
+        assert grown < 40 << 20, f"the frontend grew by {grown >> 20} MiB holding unread replies"
+    finally:
+        stalled.close()
+        ctx.term()
