@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge] [--seconds S] [--frames N]
+"""python -m bench [all|compositing|serving|bridge|catalog] [--seconds S] [--frames N] [--models N]
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,9 +17,10 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
+    parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog bench")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     args = parser.parse_args()
@@ -39,6 +40,9 @@ def main() -> int:
     if args.what in ("all", "bridge"):
         from bench import bridge
         results["bridge"] = bridge.run()
+    if args.what in ("all", "catalog"):
+        from bench import catalog
+        results["catalog"] = catalog.run(args.models)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

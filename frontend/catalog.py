@@ -4,11 +4,16 @@ Read from the files (ONNX input shapes, frame list, first frame's header) on fir
 the event loop never blocks on disk, and cached; a failure is cached briefly so a fixed model directory
 is picked up again without a restart. Failures are kept for at most MAX_ERRORS ids (a client sending
 random ids must not grow them without bound).
+
+Two paths, so that a bulk read never queues in front of a request: a request's model is read on the
+event loop's executor at once; the whole catalog (at start, and the models `models` finds unread) is
+read by one background thread, and `models` answers at once with what is known so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,6 +51,31 @@ class Catalog:
         self._specs: dict[str, ModelSpec] = {}
         self._errors: OrderedDict[str, CatalogError] = OrderedDict()
         self._inflight: dict[str, asyncio.Future] = {}
+        self._warmer = cf.ThreadPoolExecutor(1, thread_name_prefix="catalog")
+        self._warming: set[str] = set()
+
+    def close(self) -> None:
+        self._warmer.shutdown(wait=False, cancel_futures=True)
+
+    def warm(self, ids: list[str]) -> None:
+        """Read the specs of `ids` not known yet, one after another on the background thread."""
+        todo = [i for i in ids if self.known(i) is None and i not in self._warming and i not in self._inflight]
+        if not todo:
+            return
+        self._warming.update(todo)
+        loop = asyncio.get_running_loop()
+
+        def read_all() -> None:
+            for model_id in todo:
+                spec = self._read(model_id)
+                loop.call_soon_threadsafe(self._warmed, model_id, spec)
+
+        self._warmer.submit(read_all)
+
+    def _warmed(self, model_id: str, spec: ModelSpec | CatalogError) -> None:
+        self._warming.discard(model_id)
+        if model_id not in self._inflight:
+            self._store(model_id, spec)
 
     async def ids(self) -> list[str]:
         """Every model id (a directory listing: off the event loop)."""
@@ -67,9 +97,10 @@ class Catalog:
 
     def _keep(self, model_id: str, future: asyncio.Future) -> None:
         self._inflight.pop(model_id, None)
-        if future.cancelled():
-            return
-        spec = future.result()
+        if not future.cancelled():
+            self._store(model_id, future.result())
+
+    def _store(self, model_id: str, spec: ModelSpec | CatalogError) -> None:
         if isinstance(spec, ModelSpec):
             self._specs[model_id] = spec
             self._errors.pop(model_id, None)

@@ -114,8 +114,14 @@ class Client:
     def health(self) -> dict:
         return self.request("health")[0]
 
-    def models(self) -> list[dict]:
-        return self.request("models")[0]["models"]
+    def models(self, wait_s: float = 30.0) -> list[dict]:
+        """Every model; waits up to `wait_s` for models whose files the server is still reading."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            models = self.request("models")[0]["models"]
+            if not any(m.get("pending") for m in models) or time.monotonic() > deadline:
+                return models
+            time.sleep(0.1)
 
     def load(self, model: str, **kw) -> dict:
         return self.request("load", model=model, **kw)[0]

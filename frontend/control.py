@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import TYPE_CHECKING
 
 from frontend import protocol as P
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from frontend.server import Call, Frontend
 
 STATS_TIMEOUT_S = 2.0
+MODELS_WAIT_S = 0.25
+MODELS_WAIT_FOR = 64
 
 
 def _version() -> str:
@@ -46,13 +49,25 @@ def health(fe: Frontend, call: Call) -> bytes:
 
 
 async def models(fe: Frontend, call: Call) -> bytes:
+    """Every model with what is known of it now; models whose files are still being read (a cold
+    start with thousands of models) come back `pending` and are read in the background."""
     tenant = call.client.tenant
     ids = [i for i in await fe.catalog.ids() if tenant is None or tenant.allows(i)]
-    specs = await asyncio.gather(*(fe.catalog.get(i) for i in ids))
+    specs = [fe.catalog.known(i) for i in ids]
+    pending = [i for i, spec in zip(ids, specs) if spec is None]
+    if pending:
+        fe.catalog.warm(pending)
+    if 0 < len(pending) <= MODELS_WAIT_FOR:   # a few unread models (one just added): worth a short wait
+        deadline = time.monotonic() + MODELS_WAIT_S
+        while time.monotonic() < deadline and any(fe.catalog.known(i) is None for i in pending):
+            await asyncio.sleep(0.01)
+        specs = [fe.catalog.known(i) for i in ids]
     loaded = fe.engine.loaded()
     models = []
     for model_id, spec in zip(ids, specs):
-        if isinstance(spec, CatalogError):
+        if spec is None:
+            models.append(P.ModelInfo(id=model_id, loaded_on=loaded.get(model_id, []), pending=True))
+        elif isinstance(spec, CatalogError):
             models.append(P.ModelInfo(id=model_id, loaded_on=loaded.get(model_id, []), error=spec.message))
         else:
             models.append(P.ModelInfo(id=model_id, frames=spec.frames, width=spec.width, height=spec.height,

@@ -121,6 +121,7 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     audio_shape: Optional[list[int]] = None
     loaded_on: list[int] = []
     error: Optional[str] = None
+    pending: bool = False          # its files are still being read: ask again for its sizes
 
 
 class ModelsReply(msgspec.Struct, kw_only=True):

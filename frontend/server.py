@@ -136,6 +136,7 @@ class Frontend:
         self._stopping = True
 
     def close(self) -> None:
+        self.catalog.close()
         for ring in self.images:
             ring.close()
         if getattr(self, "auth", None) is not None:
@@ -153,6 +154,7 @@ class Frontend:
 
     async def _main(self) -> None:
         internal = asyncio.create_task(self._read_internal())
+        self.catalog.warm(await self.catalog.ids())   # in the background: `models` is fast from the start
         # NOTE: serve clients only once the supervisor has told us every worker's state (it does right
         # after our READY); else a restarted frontend would answer `unavailable` for a moment.
         deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S

@@ -292,3 +292,24 @@ def test_client_cli(server, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "load", "nobody"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "unknown_model" in bad.stderr
+
+
+def test_models_over_many_directories_answers_at_once_and_fills_in(tmp_path):
+    """`models` never waits for thousands of unread model directories: it lists every id at once,
+    the unread ones `pending`, and reads them in the background (bench: python -m bench catalog)."""
+    import os
+
+    src = make_avatar(tmp_path, "m0000", n_frames=2)
+    for i in range(1, 1500):
+        d = tmp_path / f"m{i:04d}"
+        (d / "frames").mkdir(parents=True)
+        for name in ("model.onnx", "crop_rects.json", "frames/0.png", "frames/1.png"):
+            os.link(src / name, d / name)
+    with run_server(tmp_path, base_config(tmp_path)) as srv, srv.client() as c:
+        header, _ = c.request("models")
+        first = header["models"]
+        assert [m["id"] for m in first] == [f"m{i:04d}" for i in range(1500)]
+        assert all(m["pending"] or m["frames"] == 2 for m in first)
+        assert header["ok"] and c.health()["status"] == "ready"
+        complete = c.models()   # waits for the pending ones
+        assert all(not m["pending"] and m["frames"] == 2 and m["audio_shape"] == [32, 16, 16] for m in complete)
