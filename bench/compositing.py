@@ -18,7 +18,8 @@ import numpy as np
 import zmq
 
 from config import parse_config
-from config.assets import AvatarAssets, ModelPaths, crop_328, load_assets
+from config.assets import AvatarAssets, ModelPaths, load_assets
+from config.geometry import crop_328
 from cpu_actor.composite import encode, mouth_to_uint8, paste
 from cpu_actor.worker import run_cpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket

@@ -27,7 +27,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE, valid_model_id
+from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE, crop_328, valid_model_id
 from config.loader import resolve_path
 from config.schema import Config
 
@@ -225,11 +225,6 @@ class AvatarAssets:
         self.check_frames((index,))
         bg = read_image(self.frame_files[index], self.max_size, (self.width, self.height))
         return bg, crop_328(bg, self.rects[index])
-
-
-def crop_328(bg: np.ndarray, rect: np.ndarray) -> np.ndarray:
-    x1, y1, x2, y2 = (int(v) for v in rect)
-    return cv2.resize(bg[y1:y2, x1:x2], (CROP_SIZE, CROP_SIZE), interpolation=cv2.INTER_CUBIC)
 
 
 def files_version(files) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+import cv2
 import numpy as np
 
 CROP_SIZE = 328
@@ -54,3 +55,10 @@ def mouths_from_uint8(mouths_u8: np.ndarray, out: np.ndarray) -> None:
     """float32 values whose floor(255 * P) is exactly the given uint8: (u + 0.5) / 255."""
     np.add(mouths_u8, np.float32(0.5), out=out, dtype=np.float32)
     np.divide(out, np.float32(255), out=out)
+
+
+def crop_328(background: np.ndarray, rect) -> np.ndarray:
+    """Step 1 of SyncTalk_2D's compositing, and the source of the visual input: the clipped crop box
+    resized to 328x328, bicubic."""
+    x1, y1, x2, y2 = (int(v) for v in rect)
+    return cv2.resize(background[y1:y2, x1:x2], (CROP_SIZE, CROP_SIZE), interpolation=cv2.INTER_CUBIC)

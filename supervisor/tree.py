@@ -28,6 +28,7 @@ from config.geometry import MOUTH_BYTES, input_slot_bytes
 from frontend.bridge import run_bridge_process
 from gpu_actor.remote import run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
+from shm.codes import ProcState
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode
 from shm.ring import RingSpec, SlotRing
@@ -58,7 +59,7 @@ class Child:
     role: str
     index: int
     process: Optional[mp.process.BaseProcess] = None
-    state: str = "starting"          # starting | ready | restarting | failed | stopped
+    state: ProcState = ProcState.STARTING
     restarts: int = 0
     crash_times: list[float] = field(default_factory=list)
     restart_at: float = 0.0
@@ -178,7 +179,7 @@ class Supervisor:
         child.process = self._mp.Process(target=entry, args=(self.config, self.run, child.index),
                                          name=f"lsync-{child.name}", daemon=False)
         child.process.start()
-        child.state = "starting"
+        child.state = ProcState.STARTING
         self._event(child)
 
     def _event(self, child: Child) -> None:
@@ -194,12 +195,12 @@ class Supervisor:
         for child in self.children:
             self._spawn(child)
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
-        while any(c.state != "ready" for c in self.children):
+        while any(c.state != ProcState.READY for c in self.children):
             if self.stop_requested.is_set():
                 raise StartError("stopped by a signal during start-up")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                late = ", ".join(c.name for c in self.children if c.state != "ready")
+                late = ", ".join(c.name for c in self.children if c.state != ProcState.READY)
                 raise StartError(f"{late} did not report READY within supervisor.start_timeout_s "
                                  f"({self.config.supervisor.start_timeout_s:g}s); raise it if model loading is slow")
             self._poll(min(remaining, 0.5), starting=True)
@@ -210,13 +211,14 @@ class Supervisor:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         for child in self.children:
-            if child.process is not None and child.state in ("starting", "ready"):
+            if child.process is not None and child.state in (ProcState.STARTING, ProcState.READY):
                 poller.register(child.process.sentinel, zmq.POLLIN)
         poller.poll(int(timeout_s * 1000))
         while self.inbox.poll(0):
             self._on_message(decode(self.inbox.recv()))
         for child in self.children:
-            if child.process is not None and child.state in ("starting", "ready") and not child.process.is_alive():
+            live = child.state in (ProcState.STARTING, ProcState.READY)
+            if child.process is not None and live and not child.process.is_alive():
                 self._on_death(child, starting)
 
     def _find(self, role: str, index: int) -> Child:
@@ -227,7 +229,7 @@ class Supervisor:
             child = self._find(msg.role, msg.index)
             if child.process is None or child.process.pid != msg.pid:
                 return
-            child.state = "ready"
+            child.state = ProcState.READY
             log.info("%s ready (pid %d)", child.name, msg.pid)
             if child.role in ("frontend", "bridge") and child.restarts:
                 for sock in self.to_gpu + self.to_cpu:
@@ -251,11 +253,11 @@ class Supervisor:
         child.crash_times = [t for t in child.crash_times if now - t < window] + [now]
         child.last_error = ""
         if len(child.crash_times) > self.config.supervisor.max_restarts:
-            child.state = "failed"
+            child.state = ProcState.FAILED
             log.error("%s crashed %d times within %gs (supervisor.max_restarts): not restarting it",
                       child.name, len(child.crash_times), window)
         else:
-            child.state = "restarting"
+            child.state = ProcState.RESTARTING
             backoff = self.config.supervisor.restart_backoff_s * 2 ** (len(child.crash_times) - 1)
             child.restart_at = now + min(backoff, 30.0)
         self._event(child)
@@ -266,7 +268,7 @@ class Supervisor:
             self._poll(0.2)
             now = time.monotonic()
             for child in self.children:
-                if child.state == "restarting" and now >= child.restart_at:
+                if child.state == ProcState.RESTARTING and now >= child.restart_at:
                     child.restarts += 1
                     log.info("restarting %s (restart %d)", child.name, child.restarts)
                     self._spawn(child)
@@ -281,7 +283,7 @@ class Supervisor:
         for group in order:
             live = [c for c in group if c.process is not None and c.process.is_alive()]
             for child in live:
-                child.state = "stopped"
+                child.state = ProcState.STOPPED
                 os.kill(child.process.pid, signal.SIGTERM)
             deadline = time.monotonic() + grace + 2
             for child in live:
