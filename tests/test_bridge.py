@@ -192,7 +192,7 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
     import msgspec
     import zmq
 
-    from shm.messages import InferDone, Pong, RemoteInfer, encode
+    from shm.messages import InferDone, Ping, Pong, RemoteInfer, encode
 
     port = free_port()
     with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):
@@ -210,6 +210,14 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
             return encode(RemoteInfer(**{**fields, **kw}))
 
         try:
+            deadline = time.monotonic() + 30
+            while True:   # the host answers once one of its workers is ready (as an edge waits)
+                sock.send_multipart([encode(Ping(sent=0.0))])
+                if sock.poll(1000):
+                    pong = msgspec.msgpack.decode(sock.recv_multipart()[0], type=Pong)
+                    if pong.workers_ready:
+                        break
+                assert time.monotonic() < deadline, "the GPU host never had a ready worker"
             for frames in ([b"\xff\x00garbage"], [msgspec.msgpack.encode(["Ping"])], [encode(Pong(sent=0, loaded=[]))],
                            [encode(InferDone(req=3, worker=0, ok=True))], []):
                 sock.send_multipart(frames if frames else [b""])
