@@ -127,6 +127,17 @@ class SupervisorConfig(_Section):
     restart_window_s: PosFloat = 300.0
 
 
+class SessionsConfig(_Section):
+    fps: Annotated[float, msgspec.Meta(gt=0, le=60)] = 25.0
+    max_sessions: PosInt = 256
+    latency_budget_ms: Annotated[int, msgspec.Meta(ge=40, le=10000)] = 280
+    max_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50
+    max_ahead_s: PosFloat = 30.0
+    max_queued_frames: PosInt = 50
+    idle_cache_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 256 * 1024 * 1024
+    start_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 200
+
+
 class DemoConfig(_Section):
     cache_dir: str = "~/.cache/lipsync-serve"
     frames: Annotated[int, msgspec.Meta(ge=1, le=10000)] = 250
@@ -145,6 +156,7 @@ class Config(_Section):
     output: OutputConfig = OutputConfig()
     shm: ShmConfig = ShmConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    sessions: SessionsConfig = SessionsConfig()
     demo: DemoConfig = DemoConfig()
     bridge: BridgeConfig = BridgeConfig()
     # Where the file came from: relative paths in it resolve against this directory.

@@ -17,14 +17,16 @@ import time
 from collections import deque
 
 import cv2
+import msgspec
 import zmq
 
 from config import Config
 from config.assets import AssetCache, AssetError
 from cpu_actor.composite import encode, mouth_to_uint8, paste
 from shm.child import child_main
+from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, ReleaseImages, ResetRequests, decode
+from shm.messages import CompositeDone, CompositeTask, ReleaseImages, RenderIdle, ResetRequests, decode
 from shm.messages import encode as encode_msg
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
@@ -71,14 +73,15 @@ class Compositor:
     def run(self) -> None:
         while not self._stopping:
             if self.backlog:
-                self._composite(self.backlog.popleft())
+                task = self.backlog.popleft()
+                (self._render_idle if isinstance(task, RenderIdle) else self._composite)(task)
             elif self.tasks.poll(0 if self._preload is not None else 1000):
                 self._dispatch(decode(self.tasks.recv()))
             else:
                 self._preload_one()
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, CompositeTask):
+        if isinstance(msg, (CompositeTask, RenderIdle)):
             self.backlog.append(msg)
         elif isinstance(msg, ReleaseImages):
             self.images.release_request(msg.req)
@@ -152,6 +155,32 @@ class Compositor:
             return
         self._reply(task, encoded, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                     height=assets.height, hits=hits, misses=len(task.frames) - hits, images=images)
+
+    def _render_idle(self, task: RenderIdle) -> None:
+        """Background frames encoded as they are: a live session's idle frames."""
+        t0 = time.perf_counter()
+        reply = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(task.frames), ok=True)
+        try:
+            assets = self.assets.get(task.model, task.version)
+            assets.check_frames(task.frames)
+            encoded, hits = [], 0
+            for frame in task.frames:
+                background, _, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f))
+                hits += hit
+                encoded.append(encode(background, task.format, task.quality))
+        except (AssetError, StoreError) as err:
+            reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST, message=str(err))
+            self.to_frontend.send(encode_msg(reply))
+            return
+        except Exception as err:  # never fatal: this request fails, the process serves on
+            log.exception("encoding idle frames of model %s failed", task.model)
+            reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.INTERNAL,
+                                            message=f"{type(err).__name__}: {err}")
+            self.to_frontend.send(encode_msg(reply))
+            return
+        reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
+                                        height=assets.height, hits=hits, misses=len(task.frames) - hits)
+        self.to_frontend.send_multipart([encode_msg(reply), *encoded], copy=False)
 
     def _targets(self, task: CompositeTask, height: int, width: int):
         """Raw format: (writable frames in an image slot, their handle); else (None, None)."""

@@ -7,7 +7,8 @@
 Both use a DEALER socket (empty delimiter first, as the protocol says) and match replies by `id`, so
 `AsyncClient` can keep many requests in flight. Errors raise `ServerError` with the protocol's code.
 
-CLI: python -m frontend.client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench
+CLI: python -m frontend.client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench|stream M
+Live sessions: frontend/stream.py (Session, AsyncSession).
 """
 
 from __future__ import annotations
@@ -293,8 +294,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     bench.add_argument("--visual", action="store_true", help="send the visual input too (else audio only)")
     bench.add_argument("--format", choices=["jpeg", "png", "raw"], default=None)
     bench.add_argument("--json", action="store_true")
+    stream = sub.add_parser("stream", help="live sessions: audio in real time, frames out; on-time %%, missed, "
+                                           "latency percentiles")
+    stream.add_argument("model")
+    stream.add_argument("--seconds", type=float, default=10.0)
+    stream.add_argument("--duty", type=float, default=0.27, help="fraction of the time each session speaks")
+    stream.add_argument("--sessions", type=int, default=1)
+    stream.add_argument("--out", default=None, help="save every frame received to this folder")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "stream":
+            from frontend.stream import print_stream, run_stream
+            print_stream(asyncio.run(run_stream(args.endpoint, args.model, args.seconds, args.duty, args.sessions,
+                                                args.out)))
+            return 0
         if args.cmd == "composite":
             return _cmd_composite(args)
         if args.cmd == "bench":

@@ -39,6 +39,7 @@ class Kind(str, enum.Enum):
     UNLOAD = "unload"        # every ready worker
     STATS = "stats"          # every ready worker; answered after stats_timeout_s with what came
     WARM = "warm"            # the engine's own load of a model that queued requests wait for
+    IDLE = "idle"            # background frames encoded by a compositor, no inference (live sessions)
 
 
 class State(str, enum.Enum):
@@ -86,6 +87,13 @@ class Dispatch:
 
 
 @dataclass(frozen=True)
+class Render:
+    """Send the request's background frames to `compositor` to be encoded (RenderIdle)."""
+    request: Request
+    compositor: int
+
+
+@dataclass(frozen=True)
 class SendWorker:
     worker: int
     message: Union[LoadModel, UnloadModel, StatsQuery]
@@ -130,7 +138,7 @@ class Fail:
     message: str
 
 
-Action = Union[Dispatch, SendWorker, FreeInput, ReleaseOutput, ReleaseImages, ResetInputs, Reply, Fail]
+Action = Union[Dispatch, Render, SendWorker, FreeInput, ReleaseOutput, ReleaseImages, ResetInputs, Reply, Fail]
 
 
 # -- state ---------------------------------------------------------------------------------------
@@ -251,6 +259,8 @@ class Scheduler:
         self.table.add(r)
         if r.kind in (Kind.INFER, Kind.COMPOSITE):
             return self._admit(r)
+        if r.kind is Kind.IDLE:
+            return self._render(r)
         if r.kind is Kind.LOAD:
             worker = self._pick(r.model)
             if worker is None:
@@ -270,6 +280,16 @@ class Scheduler:
         worker.active.add(r.req)
         worker.queue.append(r)
         return self._pump(worker)
+
+    def _render(self, r: Request) -> list[Action]:
+        ready = [i for i, c in enumerate(self.compositors) if c.ready]
+        if not ready:
+            return self._finish(r, ErrorCode.UNAVAILABLE, "no compositing process is ready (restarting)")
+        c = min(ready, key=lambda i: (len(self.compositors[i].active), i))
+        r.chunks = {0: c}
+        r.state = State.COMPOSITING
+        self.compositors[c].active.add(r.req)
+        return [Render(r, c)]
 
     def _gather(self, r: Request, targets: list[WorkerState], message) -> list[Action]:
         r.state = State.GATHERING

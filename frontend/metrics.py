@@ -31,6 +31,13 @@ class Metrics:
         self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots in use per inference worker",
                                   ["worker"], registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
+        self.sessions_open = Gauge("lipsync_sessions_open", "Live sessions open", registry=r)
+        self.session_frames = Counter("lipsync_session_frames", "Live session frames by kind: speech, idle; "
+                                      "missed (idle where speech was due), dropped (client not reading), skipped",
+                                      ["kind"], registry=r)
+        self.session_lateness = Histogram("lipsync_session_lateness_ms", "How long after its due time a live "
+                                          "session frame was sent", buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),
+                                          registry=r)
         self.replies_dropped = Counter("lipsync_replies_dropped", "Replies dropped because their client did not "
                                        "read (limits.max_client_backlog_bytes)", registry=r)
         self.backlog_bytes = Gauge("lipsync_client_backlog_bytes", "Reply bytes clients have not read yet, all "

@@ -26,10 +26,16 @@ class Op(str, enum.Enum):
     STATS = "stats"
     INFER = "infer"
     COMPOSITE = "composite"
+    SESSION_OPEN = "session_open"
+    SESSION_AUDIO = "session_audio"
+    SESSION_INTERRUPT = "session_interrupt"
+    SESSION_CLOSE = "session_close"
+    SESSION_STATS = "session_stats"
 
 
-MODEL_OPS = frozenset({Op.LOAD, Op.UNLOAD, Op.INFER, Op.COMPOSITE})
+MODEL_OPS = frozenset({Op.LOAD, Op.UNLOAD, Op.INFER, Op.COMPOSITE, Op.SESSION_OPEN})
 TENSOR_OPS = frozenset({Op.INFER, Op.COMPOSITE})
+SESSION_OPS = frozenset({Op.SESSION_AUDIO, Op.SESSION_INTERRUPT, Op.SESSION_CLOSE, Op.SESSION_STATS})
 
 
 RequestId = Union[str, int, None]
@@ -45,6 +51,11 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     format: Optional[ImageFormat] = None
     quality: Optional[Annotated[int, msgspec.Meta(ge=1, le=100)]] = None
     timeout_ms: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
+    # live sessions
+    session: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]] = None
+    fps: Optional[Annotated[float, msgspec.Meta(gt=0, le=60)]] = None
+    audio: Optional[Literal["window", "features"]] = None
+    last: bool = False
 
 
 # -- replies ----------------------------------------------------------------------------------
@@ -144,6 +155,66 @@ class StatsReply(msgspec.Struct, kw_only=True):
     models: dict[str, dict[str, Any]]
     workers: list[dict[str, Any]]
     store: dict[str, Any] = {}
+
+
+class SessionOpenReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    session: str
+    fps: float
+    width: int
+    height: int
+    audio_shape: list[int]
+    feature_shape: list[int]        # features mode: one vector per frame is [F]; windows are [16, F]
+    start_frame: int
+
+
+class SessionAudioReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    session: str
+    first_frame: int
+    frames: int
+
+
+class SessionInterruptReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    session: str
+    dropped: int
+
+
+class SessionStatsReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    session: str
+    frames_speech: int
+    frames_idle: int
+    missed: int
+    dropped: int
+    late: int
+    max_late_ms: float
+    latency_ms_p50: Optional[float]
+    latency_ms_p99: Optional[float]
+
+
+# -- pushes: messages a session sends without a request ------------------------------------------
+
+class FrameEvent(msgspec.Struct, kw_only=True):
+    """Followed by one frame: the encoded image."""
+
+    event: Literal["frame"] = "frame"
+    session: str
+    index: int
+    pts_ms: float
+    kind: Literal["speech", "idle"]
+    frame: int                        # background frame index
+
+
+class SessionEvent(msgspec.Struct, kw_only=True):
+    event: Literal["closed", "error"]
+    session: str
+    message: str = ""
 
 
 Reply = Union[ErrorReply, CompositeReply, InferReply, HealthReply, ModelsReply, LoadReply, StatsReply]

@@ -30,8 +30,9 @@ from frontend import control
 from frontend import protocol as P
 from frontend.backlog import Backlogs
 from frontend.catalog import Catalog, CatalogError, ModelSpec
-from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Reply,
-                             Request, ResetInputs, Scheduler, SendWorker)
+from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Render,
+                             Reply, Request, ResetInputs, Scheduler, SendWorker)
+from frontend.live import Live
 from frontend.metrics import Metrics
 from frontend.state import Client, Tenant
 from frontend.validate import RequestError, Tensors, check_message, check_request, check_tensors, parse_header
@@ -39,7 +40,7 @@ from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeDone, InferDone, InferTask, LoadDone, ModelEvent, ProcessEvent, ReleaseTask,
-                          StatsReport, decode, encode)
+                          RenderIdle, StatsReport, decode, encode)
 from shm.messages import ReleaseImages as ReleaseImagesMsg
 from shm.ring import SlotRing, StaleHandle
 
@@ -61,6 +62,8 @@ class Call:
     spec: Optional[ModelSpec] = None
     tensors: Optional[Tensors] = None
     frames: list[int] = field(default_factory=list)
+    session: Optional[str] = None      # a live session's speech chunk: its frames are held, not replied
+    timeline: list[int] = field(default_factory=list)   # ... and the session frames they are
 
     @property
     def label(self) -> str:
@@ -108,6 +111,7 @@ class Frontend:
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
         self.backlogs = Backlogs(lim.max_client_backlog_bytes)
+        self.live = Live(self)
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = float("inf")
         self.metrics.serve(config.metrics.host, config.metrics.port)
@@ -206,6 +210,7 @@ class Frontend:
             except zmq.Again:
                 return
             self.backlogs.closed((index, event["value"]))
+            self.live.client_gone((index, event["value"]))
             actions = self.engine.client_gone((index, event["value"]))
             if actions:
                 log.info("a client disconnected with request(s) open: ended them")
@@ -253,7 +258,7 @@ class Frontend:
             self._send(client, control.health(self, call))
             self.metrics.requests.labels("health", "", "ok").inc()
             return
-        if header.op is P.Op.MODELS or (header.op in KINDS and header.model is not None
+        if header.op is P.Op.MODELS or (header.model is not None and header.op is not P.Op.STATS
                                         and self.catalog.known(header.model) is None):
             # NOTE: the model's files are read off the event loop; meanwhile other clients are served.
             asyncio.create_task(self._after_catalog(call, payload))
@@ -285,6 +290,9 @@ class Frontend:
 
     def _submit(self, call: Call, payload: list) -> None:
         header = call.header
+        if header.op not in KINDS:
+            self._session_op(call, payload)
+            return
         kind = KINDS[header.op]
         try:
             if header.model is not None and kind is not Kind.STATS:
@@ -303,6 +311,19 @@ class Frontend:
         request = Request(kind, call.spec.id if call.spec else header.model, header.batch or 0,
                           deadline=now + self._timeout_s(header), conn=call.client.conn, data=call)
         self.apply(self.engine.submit(request, now))
+
+    def _session_op(self, call: Call, payload: list) -> None:
+        header = call.header
+        try:
+            if header.op is P.Op.SESSION_OPEN:
+                call.spec = self._spec(header)
+            reply = self.live.handle(call, payload)
+        except RequestError as err:
+            self.metrics.requests.labels(header.op.value, call.label, err.code.value).inc()
+            self._error(call.client, header.id, err.code, err.message)
+            return
+        self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
+        self._send(call.client, reply)
 
     def _spec(self, header: P.RequestHeader) -> Optional[ModelSpec]:
         known = self.catalog.known(header.model)
@@ -326,9 +347,9 @@ class Frontend:
                 if isinstance(action, Dispatch):
                     self.apply(self.engine.fail(request.req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
                 elif isinstance(action, Reply):
-                    self._error(request.data.client, request.data.header.id, ErrorCode.INTERNAL,
-                                f"building the reply failed: {type(err).__name__}: {err}")
                     self._release_images(request.req, request.image_slots)
+                    self._fail(Fail(request, ErrorCode.INTERNAL, f"building the reply failed: {type(err).__name__}: "
+                                    f"{err}"))
         self._arm_timer()
 
     def _apply(self, action) -> None:
@@ -336,6 +357,11 @@ class Frontend:
             self._dispatch(action)
         elif isinstance(action, SendWorker):
             self.to_gpu[action.worker].send(encode(action.message))
+        elif isinstance(action, Render):
+            render = action.request.data
+            self.to_cpu[action.compositor].send(encode(RenderIdle(
+                req=action.request.req, model=render.model, frames=render.frames, format=render.format,
+                quality=render.quality, deadline=action.request.deadline, version=render.version)))
         elif isinstance(action, FreeInput):
             self.inputs[action.worker].release_request(action.req)
         elif isinstance(action, ReleaseOutput):
@@ -390,7 +416,8 @@ class Frontend:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _send(self, client: Client, header: bytes, data: list = (), req: int = 0, image_slots=()) -> bool:
+    def _send(self, client: Client, header: bytes, data: list = (), req: int = 0, image_slots=(),
+              also: Optional[list] = None) -> bool:
         """Send a reply unless the connection's unread backlog is full (then drop it and return False).
         Raw frames leave from the image ring without a copy, except to a connection with a backlog:
         those are copied first, so a client that stops reading pins no image slot for long."""
@@ -412,6 +439,8 @@ class Frontend:
         frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*client.envelope, header, *data)]
         sent = client.sock.send_multipart(frames, copy=False, track=True)
         sent.add_done_callback(lambda f: self._sent(f, entry))
+        if also is not None:   # another bound counts this message too (a session's queued frames)
+            sent.add_done_callback(lambda f: self._sent(f, also))
         if image_slots:
             self._release_when_sent(sent, req, set(image_slots))
         return True
@@ -460,6 +489,12 @@ class Frontend:
 
     def _fail(self, action: Fail) -> None:
         r, call = action.request, action.request.data
+        if r.kind is Kind.IDLE:
+            self.live.idle_failed(r, action.message)
+            return
+        if call.session is not None:
+            self.live.speech_failed(r, action.message)
+            return
         self._outcome(r, str(getattr(action.code, "value", action.code)))
         if action.code == CLIENT_GONE:
             return
@@ -472,6 +507,12 @@ class Frontend:
 
     def _reply(self, r: Request) -> None:
         call = r.data
+        if r.kind is Kind.IDLE:
+            self.live.idle_done(r)
+            return
+        if call.session is not None:
+            self.live.speech_done(r)
+            return
         if r.kind is Kind.INFER:
             header, data = self._infer_reply(r)
             if header is None:
@@ -540,7 +581,7 @@ class Frontend:
         """The chunk's frames: encoded images as sent, or raw frames as views into the image ring."""
         if msg.ok:
             r = self.engine.table.get(msg.req)
-            model = r.data.spec.id if r is not None else None
+            model = r.data.spec.id if r is not None and r.kind is not Kind.IDLE else None
             if model is not None:
                 self.metrics.latency.labels("composite").observe(msg.composite_ms)
                 self.metrics.store.labels(model, "hit").inc(msg.hits)

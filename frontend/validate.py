@@ -13,7 +13,7 @@ import msgspec
 from config.geometry import VISUAL_BYTES
 
 MAX_FRAMES = 3          # header + visual + audio, the most any op takes
-from frontend.protocol import MODEL_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
+from frontend.protocol import MODEL_OPS, SESSION_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
 
 
 class RequestError(Exception):
@@ -34,7 +34,7 @@ def _schema_message(err: msgspec.ValidationError) -> str:
     unknown = re.match(r"Object contains unknown field `(.+)`", body)
     if unknown:
         return (f"header.{unknown.group(1)}: unknown key; allowed keys are op, id, model, batch, start_frame, "
-                "format, quality, timeout_ms")
+                "format, quality, timeout_ms, session, fps, audio, last")
     if body.startswith("Invalid enum value") and where == "header.op":
         return f"header.op: unknown op; expected one of {', '.join(o.value for o in Op)}"
     if body.startswith("Object missing required field"):
@@ -110,6 +110,12 @@ def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
         if len(payload) not in allowed:
             want = "2 (visual, audio)" if header.op is Op.INFER else "1 (audio) or 2 (visual, audio)"
             raise _bad(f"payload: {len(payload)} frames after the header; op {header.op.value} takes {want}", rid)
+    elif header.op in SESSION_OPS and header.session is None:
+        raise _bad(f"header.session: required for op {header.op.value} (the `session` that session_open returned)",
+                   rid)
+    elif header.op is Op.SESSION_AUDIO:
+        if len(payload) != 1:
+            raise _bad(f"payload: {len(payload)} frames after the header; op session_audio takes 1 (audio)", rid)
     elif payload:
         raise _bad(f"payload: op {header.op.value} takes no frames after the header, got {len(payload)}", rid)
     if header.quality is not None and header.format not in (None, "jpeg"):

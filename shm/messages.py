@@ -109,6 +109,19 @@ class CompositeTask(_Msg):
     version: int = 0
 
 
+class RenderIdle(_Msg):
+    """Frontend -> compositing process: encode these background frames as they are (a live session's
+    idle frames: no inference). Answered with a CompositeDone carrying the encoded frames."""
+
+    req: int
+    model: str
+    frames: list[int]
+    format: str
+    quality: int
+    deadline: float
+    version: int = 0
+
+
 # -- workers -> frontend ---------------------------------------------------------------------
 
 class InferDone(_Msg):
@@ -218,7 +231,7 @@ class Pong(_Msg):
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
     CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
-    RemoteInfer,
+    RemoteInfer, RenderIdle,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -196,3 +196,19 @@ def test_messages_naming_unknown_workers_or_requests_are_ignored():
     assert e.model_event(ModelEvent(worker=-1, model="m", event=ModelEventKind.LOADED)) == []
     assert e.process_event("gpu", 5, ProcState.READY) == []
     assert held(e) == NOTHING
+
+
+def test_idle_renders_go_to_the_least_busy_compositor_and_end_like_any_request():
+    e = engine(compositors=2)
+    busy, _ = submit(e)   # a composite now holds both compositors
+    r, actions = submit(e, Kind.IDLE, batch=3)
+    (render,) = [a for a in actions if type(a).__name__ == "Render"]
+    assert render.request is r
+    done = e.composite_done(CompositeDone(req=r.req, compositor=render.compositor, start=0, end=3, ok=True,
+                                          width=8, height=6), [b"x"] * 3)
+    assert ends(done) == [Reply(r)] and not of(done, ReleaseOutput)
+    r2, actions = submit(e, Kind.IDLE, batch=1)
+    c = [a for a in actions if type(a).__name__ == "Render"][0].compositor
+    assert ends(e.process_event("cpu", c, ProcState.RESTARTING, restarts=1))[0].request is r2
+    e.shutdown("stop")
+    assert held(e) == NOTHING

@@ -1,0 +1,292 @@
+"""Live sessions in the frontend: the session ops, the pacer that sends every session's frames when
+due, and the cache of encoded idle frames.
+
+The timelines live in frontend/sessions.py (no sockets); speech chunks become ordinary `composite`
+requests of the engine (routed, batched into slots, composited like any other, ended by a dead worker
+or a closed connection), whose frames are held until due instead of being replied. Idle frames are
+the avatar's backgrounds, encoded once by a compositing process (the engine's `idle` requests) and
+kept in a bounded cache: a silent session costs the send and nothing else, no inference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import zmq
+
+from frontend import protocol as P
+from frontend.backlog import Backlogs
+from frontend.engine import Kind, Request
+from frontend.sessions import WINDOW_ROWS, Session, SessionTable
+from frontend.validate import RequestError, Tensors
+from shm.codes import ErrorCode
+
+if TYPE_CHECKING:
+    from frontend.server import Call, Frontend
+
+log = logging.getLogger(__name__)
+PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
+RENDER_BATCH = 8
+RENDER_TIMEOUT_S = 10.0
+
+
+@dataclass
+class IdleRender:
+    """An engine `idle` request's own data: which cache keys it fills."""
+    keys: list
+    model: str
+    version: int
+    frames: list[int]
+    format: str
+    quality: int
+
+
+class IdleCache:
+    """Encoded background frames by (model, version, frame, format, quality), least recently used out."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._frames: OrderedDict[tuple, bytes] = OrderedDict()
+        self.rendering: set[tuple] = set()
+
+    def get(self, key: tuple) -> Optional[bytes]:
+        image = self._frames.get(key)
+        if image is not None:
+            self._frames.move_to_end(key)
+        return image
+
+    def put(self, key: tuple, image: bytes) -> None:
+        if key in self._frames:
+            return
+        self._frames[key] = image
+        self.bytes += len(image)
+        while self.bytes > self.max_bytes and len(self._frames) > 1:
+            _, old = self._frames.popitem(last=False)
+            self.bytes -= len(old)
+
+
+class Live:
+    def __init__(self, fe: Frontend):
+        self.fe = fe
+        self.cfg = fe.config.sessions
+        self.table = SessionTable(self.cfg.max_sessions)
+        self.idle = IdleCache(self.cfg.idle_cache_bytes)
+        self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer_at = float("inf")
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def handle(self, call: Call, payload: list) -> bytes:
+        """A session op's reply (RequestError for a refusal)."""
+        op = call.header.op
+        if op is P.Op.SESSION_OPEN:
+            return self._open(call)
+        session = self.table.get(call.header.session)
+        if session is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.session: no open session {call.header.session!r} "
+                               "(closed, or its client disconnected); open one with session_open", call.header.id)
+        tenant = call.client.tenant
+        if tenant is not None and not tenant.allows(session.model):
+            raise RequestError(ErrorCode.FORBIDDEN, "this session's model does not belong to your tenant",
+                               call.header.id)
+        if op is P.Op.SESSION_AUDIO:
+            return self._audio(session, call, payload[0])
+        if op is P.Op.SESSION_INTERRUPT:
+            dropped = session.interrupt()
+            return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped))
+        if op is P.Op.SESSION_CLOSE:
+            self._close(session)
+        return P.encode(P.SessionStatsReply(id=call.header.id, session=session.token, **session.stats.as_dict()))
+
+    def _open(self, call: Call) -> bytes:
+        header, spec = call.header, call.spec
+        if len(self.table) >= self.cfg.max_sessions:
+            raise RequestError(ErrorCode.OVERLOADED, f"{len(self.table)} sessions are open (sessions.max_sessions); "
+                               "retry later or on another server", header.id)
+        elements = int(np.prod(spec.audio_shape))
+        mode = header.audio or "window"
+        if mode == "features" and elements % WINDOW_ROWS:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.audio: model {spec.id}'s audio window "
+                               f"{list(spec.audio_shape)} is not 16 feature vectors; use audio: window", header.id)
+        fps = header.fps or self.cfg.fps
+        now = time.monotonic()
+        session = Session(self.table.new_token(), spec.id, call.client.conn, fps,
+                          now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
+                          max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
+                          (WINDOW_ROWS, elements // WINDOW_ROWS), data=call)
+        self.table.add(session)
+        self.fe.metrics.sessions_open.set(len(self.table))
+        self._prefetch(session)
+        self._arm()
+        return P.encode(P.SessionOpenReply(
+            id=header.id, session=session.token, fps=fps, width=spec.width, height=spec.height,
+            audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame))
+
+    def _audio(self, session: Session, call: Call, audio) -> bytes:
+        spec = session.data.spec
+        header = call.header
+        per_frame = int(np.prod(spec.audio_shape)) if session.audio_mode == "window" else session.feature_shape[1]
+        shape = list(spec.audio_shape) if session.audio_mode == "window" else [per_frame]
+        n, rest = divmod(len(audio), 4 * per_frame)
+        if rest or not n:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {len(audio)} bytes; expected float32 "
+                               f"[n, {', '.join(map(str, shape))}] with n >= 1 ({4 * per_frame} bytes per frame)",
+                               header.id)
+        limit = self.cfg.max_chunk_frames
+        if n > limit:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {n} frames in one chunk, more than "
+                               f"sessions.max_chunk_frames ({limit}); send smaller chunks", header.id)
+        now = time.monotonic()
+        ahead = (max(session.speech_end, session.now_index(now)) + n - session.now_index(now)) / session.fps
+        if ahead > self.cfg.max_ahead_s:
+            raise RequestError(ErrorCode.OVERLOADED, f"this session's speech would reach {ahead:.1f} s ahead of its "
+                               f"stream (sessions.max_ahead_s = {self.cfg.max_ahead_s:g}); send audio in real time",
+                               header.id)
+        values = np.frombuffer(audio, "<f4").reshape(n, *shape)
+        if session.audio_mode == "window":
+            first, work = session.windows(values, now)
+        else:
+            first, work = session.features(values, header.last, now, spec.audio_shape)
+        for frames, windows in work:
+            self._infer(session, frames, windows)
+        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n))
+
+    def _infer(self, session: Session, frames: list[int], windows: np.ndarray) -> None:
+        """Speech frames become `composite` requests of at most limits.max_batch frames each."""
+        from frontend.server import Call
+        opened: Call = session.data
+        step = self.fe.config.limits.max_batch
+        for i in range(0, len(frames), step):
+            part = frames[i:i + step]
+            audio = np.ascontiguousarray(windows[i:i + step], "<f4")
+            header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(part),
+                                     format=opened.header.format, quality=opened.header.quality)
+            call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
+                        tensors=Tensors(None, memoryview(audio.tobytes()), True),
+                        frames=[session.background(k) for k in part], session=session.token, timeline=part)
+            request = Request(Kind.COMPOSITE, session.model, len(part), deadline=session.due(part[-1]),
+                              conn=session.conn, data=call)
+            self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+
+    def _close(self, session: Session) -> None:
+        self.table.pop(session.token)
+        self.queued.closed(session.token)
+        self.fe.metrics.sessions_open.set(len(self.table))
+
+    def client_gone(self, conn) -> None:
+        for session in self.table.on_conn(conn):
+            self._close(session)
+
+    # -- engine results -------------------------------------------------------------------------
+
+    def speech_done(self, r: Request) -> None:
+        """A speech chunk was composited: hold its frames until due."""
+        call = r.data
+        images = [img for start in sorted(r.images) for img in r.images[start]]
+        if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
+            images = [bytes(img) for img in images]
+            self.fe._release_images(r.req, r.image_slots)
+        session = self.table.get(call.session)
+        if session is not None:
+            session.ready(call.timeline, images)
+
+    def speech_failed(self, r: Request, message: str) -> None:
+        session = self.table.get(r.data.session)
+        if session is not None:
+            session.failed(r.data.timeline)   # they go out idle, counted as missed; the stream goes on
+            log.info("session speech frames %s failed: %s", r.data.timeline[:3], message)
+
+    def idle_done(self, r: Request) -> None:
+        render: IdleRender = r.data
+        images = [img for start in sorted(r.images) for img in r.images[start]]
+        for key, image in zip(render.keys, images):
+            self.idle.rendering.discard(key)
+            self.idle.put(key, image.bytes if isinstance(image, zmq.Frame) else bytes(image))
+
+    def idle_failed(self, r: Request, message: str) -> None:
+        for key in r.data.keys:
+            self.idle.rendering.discard(key)
+        log.warning("encoding idle frames of model %s failed: %s", r.data.model, message)
+
+    # -- pacing ---------------------------------------------------------------------------------
+
+    def _key(self, session: Session, background: int) -> tuple:
+        header, spec = session.data.header, session.data.spec
+        fmt = header.format or self.fe.config.output.format
+        quality = header.quality or self.fe.config.output.quality
+        return (spec.id, spec.version, background, fmt, quality)
+
+    def _prefetch(self, session: Session) -> None:
+        """Ask the compositors for the idle frames this session needs in the next PREFETCH_S."""
+        missing = []
+        for background in session.upcoming(math.ceil(PREFETCH_S * session.fps)):
+            key = self._key(session, background)
+            if key not in self.idle.rendering and self.idle.get(key) is None:
+                missing.append((key, background))
+        for i in range(0, len(missing), RENDER_BATCH):
+            part = missing[i:i + RENDER_BATCH]
+            keys = [k for k, _ in part]
+            self.idle.rendering.update(keys)
+            spec, fmt, quality = session.data.spec, keys[0][3], keys[0][4]
+            render = IdleRender(keys, spec.id, spec.version, [b for _, b in part], fmt, quality)
+            request = Request(Kind.IDLE, spec.id, len(part), deadline=time.monotonic() + RENDER_TIMEOUT_S,
+                              data=render)
+            self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+
+    def _arm(self) -> None:
+        when = self.table.next_due()
+        if when is None or when >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = asyncio.get_running_loop().call_later(max(when - time.monotonic(), 0), self._tick)
+
+    def _tick(self) -> None:
+        self._timer, self._timer_at = None, float("inf")
+        now = time.monotonic()
+        for session in self.table:
+            if session.due(session.next_index) > now:
+                continue
+            for frame in session.advance(now):
+                self._send(session, frame, now)
+            if session.next_index % max(int(session.fps // 2), 1) == 0:
+                self._prefetch(session)
+        self._arm()
+
+    def _send(self, session: Session, frame, now: float) -> None:
+        image = frame.image
+        if image is None:
+            image = self.idle.get(self._key(session, frame.background))
+            if image is None:   # not encoded yet (a cold start): repeat the last frame sent
+                image = session.last_image
+        if image is None:
+            session.stats.dropped += 1
+            self.fe.metrics.session_frames.labels("skipped").inc()
+            return
+        metrics = self.fe.metrics
+        entry = self.queued.admit(session.token, 1)
+        if entry is None:   # the client is not reading: frames past sessions.max_queued_frames go
+            session.stats.dropped += 1
+            metrics.session_frames.labels("dropped").inc()
+            return
+        header = P.encode(P.FrameEvent(session=session.token, index=frame.index, pts_ms=frame.index * 1000 / session.fps,
+                                       kind=frame.kind, frame=frame.background))
+        if not self.fe._send(session.data.client, header, [image], also=entry):
+            session.stats.dropped += 1
+            metrics.session_frames.labels("dropped").inc()
+            return
+        session.last_image = image
+        session.sent(frame, now)
+        metrics.session_frames.labels(frame.kind).inc()
+        metrics.session_lateness.observe(max((now - frame.due) * 1000, 0.0))
+        if frame.kind == "idle" and frame.missed:
+            metrics.session_frames.labels("missed").inc()

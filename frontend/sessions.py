@@ -1,0 +1,226 @@
+"""Live sessions, with no sockets: each session's timeline, where its speech lands, and which frame
+goes out when.
+
+A session streams frames k = 0, 1, 2, ... at `fps`; frame k is due at `t0 + k / fps` (the frontend's
+monotonic clock). A frame is speech when audio was placed on it and its composited image is ready by
+then; otherwise it is the avatar's own background frame (idle, no inference). Speech that is not
+ready when due goes out as idle and counts as missed: the stream never waits.
+
+Speech placement: a chunk of n frames lands right after the previous speech when that is still at
+least `lead` frames ahead of the frame going out now, else at the earliest frame `lead` ahead (the
+latency budget). In `features` mode the server keeps the utterance's feature vectors and builds
+frame j's window from rows j-8 .. j+7 (zeros outside the utterance), as SyncTalk_2D's
+`get_audio_features` does; frame j can be inferred once row j+7 has arrived or the utterance ended.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from config.assets import frame_index
+
+WINDOW_ROWS = 16          # get_audio_features: rows j-8 .. j+7
+LOOKAHEAD = 7
+
+
+@dataclass
+class Outgoing:
+    """One frame to send now."""
+    index: int
+    kind: str                 # "speech" | "idle"
+    background: int           # background frame index
+    image: Any = None         # speech: the encoded frame; idle: None (the shell takes it from its cache)
+    due: float = 0.0
+    received: Optional[float] = None   # speech: when its audio arrived (for latency)
+    missed: bool = False               # idle where speech was placed (late, or its inference failed)
+
+
+@dataclass
+class Stats:
+    speech: int = 0
+    idle: int = 0
+    missed: int = 0
+    dropped: int = 0
+    late: int = 0
+    max_late_ms: float = 0.0
+    latency_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def as_dict(self) -> dict:
+        lat = np.asarray(self.latency_ms) if self.latency_ms else None
+        return {"frames_speech": self.speech, "frames_idle": self.idle, "missed": self.missed,
+                "dropped": self.dropped, "late": self.late, "max_late_ms": round(self.max_late_ms, 1),
+                "latency_ms_p50": round(float(np.percentile(lat, 50)), 1) if lat is not None else None,
+                "latency_ms_p99": round(float(np.percentile(lat, 99)), 1) if lat is not None else None}
+
+
+@dataclass
+class Speech:
+    received: float
+    image: Any = None
+    failed: bool = False
+
+
+class Session:
+    def __init__(self, token: str, model: str, conn: Optional[Hashable], fps: float, t0: float, start_frame: int,
+                 n_backgrounds: int, order: str, lead_frames: int, audio_mode: str, feature_shape: tuple[int, ...],
+                 data: Any = None):
+        self.token, self.model, self.conn, self.data = token, model, conn, data
+        self.fps, self.t0, self.start_frame = fps, t0, start_frame
+        self.n_backgrounds, self.order = n_backgrounds, order
+        self.lead = lead_frames
+        self.audio_mode = audio_mode
+        self.next_index = 0                  # the next frame to go out
+        self.speech_end = 0                  # the first frame after all speech placed so far
+        self.speech: dict[int, Speech] = {}  # frame index -> its speech (pending or ready)
+        self.stats = Stats()
+        self.feature_shape = feature_shape   # features mode: (rows per window, F)
+        self._rows: list[np.ndarray] = []    # features mode: this utterance's vectors
+        self._row_frame: list[int] = []      # ... and the frame each one drives
+        self._row_received: list[float] = []
+        self._inferred_rows = 0              # rows whose frame was handed out for inference
+        self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
+
+    def due(self, k: int) -> float:
+        return self.t0 + k / self.fps
+
+    def background(self, k: int) -> int:
+        return frame_index(self.start_frame + k, self.n_backgrounds, self.order)
+
+    def now_index(self, now: float) -> int:
+        """The first frame not yet due at `now`."""
+        return max(self.next_index, math.floor((now - self.t0) * self.fps) + 1)
+
+    # -- audio -----------------------------------------------------------------------------------
+
+    def place(self, n: int, now: float) -> int:
+        """Timeline frames for n new speech frames; returns the first."""
+        earliest = self.now_index(now) + self.lead
+        first = self.speech_end if self.speech_end >= earliest else earliest
+        self.speech_end = first + n
+        return first
+
+    def windows(self, audio: np.ndarray, now: float) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
+        """Window mode: a chunk [n, *A] -> (first frame, [(frames, windows)]) ready for inference."""
+        first = self.place(len(audio), now)
+        frames = list(range(first, first + len(audio)))
+        for k in frames:
+            self.speech[k] = Speech(now)
+        return first, [(frames, audio)]
+
+    def features(self, rows: np.ndarray, last: bool, now: float,
+                 audio_shape: tuple[int, ...]) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
+        """Features mode: n vectors [n, F] -> (first frame they drive, windows now computable)."""
+        first = self.place(len(rows), now)
+        for i, row in enumerate(rows):
+            self._rows.append(np.asarray(row, np.float32))
+            self._row_frame.append(first + i)
+            self._row_received.append(now)
+            self.speech[first + i] = Speech(now)
+        ready = len(self._rows) if last else max(len(self._rows) - LOOKAHEAD, 0)
+        js = list(range(self._inferred_rows, ready))
+        self._inferred_rows = ready
+        out = []
+        if js:
+            windows = np.stack([self._window(j).reshape(audio_shape) for j in js])
+            out.append(([self._row_frame[j] for j in js], windows))
+        if last:
+            self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
+        return first, out
+
+    def _window(self, j: int) -> np.ndarray:
+        n, (rows, width) = len(self._rows), self.feature_shape
+        out = np.zeros((rows, width), np.float32)
+        lo, hi = max(j - 8, 0), min(j + 8, n)
+        if hi > lo:
+            out[lo - (j - 8): hi - (j - 8)] = np.stack(self._rows[lo:hi])
+        return out
+
+    def interrupt(self) -> int:
+        """Drop speech not yet sent; idle follows. Returns how many frames were dropped."""
+        dropped = [k for k in self.speech if k >= self.next_index]
+        for k in dropped:
+            del self.speech[k]
+        self.speech_end = self.next_index
+        self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
+        return len(dropped)
+
+    # -- results and pacing ----------------------------------------------------------------------
+
+    def ready(self, frames: list[int], images: list) -> None:
+        for k, image in zip(frames, images):
+            speech = self.speech.get(k)
+            if speech is not None:
+                speech.image = image
+
+    def failed(self, frames: list[int]) -> None:
+        for k in frames:
+            speech = self.speech.get(k)
+            if speech is not None:
+                speech.failed = True
+
+    def advance(self, now: float) -> list[Outgoing]:
+        """Every frame due by `now`, in order: speech when ready, else idle (speech missed)."""
+        out = []
+        while self.due(self.next_index) <= now:
+            k = self.next_index
+            speech = self.speech.pop(k, None)
+            if speech is not None and speech.image is not None:
+                out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received))
+            else:
+                if speech is not None:
+                    self.stats.missed += 1
+                out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None))
+            self.next_index += 1
+        return out
+
+    def upcoming(self, horizon: int) -> list[int]:
+        """Background indices of the next `horizon` frames (for the idle cache to hold them in time)."""
+        return sorted({self.background(k) for k in range(self.next_index, self.next_index + horizon)})
+
+    def sent(self, frame: Outgoing, now: float) -> None:
+        late_ms = (now - frame.due) * 1000
+        if frame.kind == "speech":
+            self.stats.speech += 1
+            self.stats.latency_ms.append((now - frame.received) * 1000)
+        else:
+            self.stats.idle += 1
+        if late_ms > 40:
+            self.stats.late += 1
+        self.stats.max_late_ms = max(self.stats.max_late_ms, late_ms)
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self._by_token: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_token)
+
+    def __iter__(self):
+        return iter(list(self._by_token.values()))
+
+    @staticmethod
+    def new_token() -> str:
+        return secrets.token_urlsafe(12)
+
+    def add(self, session: Session) -> None:
+        self._by_token[session.token] = session
+
+    def get(self, token: str) -> Optional[Session]:
+        return self._by_token.get(token)
+
+    def pop(self, token: str) -> Optional[Session]:
+        return self._by_token.pop(token, None)
+
+    def on_conn(self, conn: Hashable) -> list[Session]:
+        return [s for s in self._by_token.values() if s.conn == conn]
+
+    def next_due(self) -> Optional[float]:
+        return min((s.due(s.next_index) for s in self._by_token.values()), default=None)

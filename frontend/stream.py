@@ -1,0 +1,253 @@
+"""Live sessions from Python: `Session` (sync) and `AsyncSession` (asyncio), and the `stream` command.
+
+    from frontend.stream import Session
+    with Session("tcp://127.0.0.1:5555", "demo") as s:
+        s.send_audio(windows)                 # [n, 32, 16, 16] float32: frames first_frame .. +n-1
+        header, image = s.next_frame()        # {"event": "frame", "index", "pts_ms", "kind", "frame"}
+
+Each session has its own DEALER socket: the server pushes its frames there, between the replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from frontend.client import ClientTimeout, ServerError, _header, _new_socket, _parse
+
+Frame = tuple[dict, bytes]
+
+
+def _open_fields(model: str, format: str, quality: Optional[int], fps: Optional[float], start_frame: int,
+                 audio: str) -> dict:
+    return {"model": model, "format": format, "quality": quality, "fps": fps, "start_frame": start_frame,
+            "audio": audio}
+
+
+class Session:
+    """One live session (synchronous)."""
+
+    def __init__(self, endpoint: str, model: str, *, format: str = "jpeg", quality: Optional[int] = None,
+                 fps: Optional[float] = None, start_frame: int = 0, audio: str = "window", timeout_s: float = 30.0,
+                 curve: Optional[dict] = None):
+        self.timeout_s = timeout_s
+        self._sock = _new_socket(zmq.Context.instance(), endpoint, curve)
+        self._ids = itertools.count(1)
+        self._frames: deque[Frame] = deque()
+        self.info = self._request("session_open", **_open_fields(model, format, quality, fps, start_frame, audio))
+        self.token: str = self.info["session"]
+        self.closed = False
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.closed:
+            try:
+                self.close()
+            except (ServerError, ClientTimeout):
+                pass
+        self._sock.close(linger=0)
+
+    def _recv(self, timeout_s: float) -> Optional[list]:
+        if not self._sock.poll(int(timeout_s * 1000)):
+            return None
+        return self._sock.recv_multipart()[1:]
+
+    def _request(self, op: str, payload=(), **fields) -> dict:
+        rid = next(self._ids)
+        self._sock.send_multipart([b"", _header(op, rid, **fields), *payload], copy=False)
+        deadline = time.monotonic() + self.timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            frames = self._recv(remaining)
+            if frames is None:
+                break
+            header = json.loads(frames[0])
+            if header.get("event") == "frame":
+                self._frames.append((header, frames[1]))
+            elif header.get("id") in (rid, None):
+                return _parse(frames)[0]
+        raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s")
+
+    def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
+        """Audio for n frames; the reply's `first_frame` says where they landed on the stream."""
+        return self._request("session_audio", [np.ascontiguousarray(audio, "<f4")], session=self.token,
+                             last=last or None)
+
+    def next_frame(self, timeout_s: Optional[float] = None) -> Optional[Frame]:
+        if self._frames:
+            return self._frames.popleft()
+        frames = self._recv(self.timeout_s if timeout_s is None else timeout_s)
+        if frames is None:
+            return None
+        header = json.loads(frames[0])
+        if header.get("event") == "frame":
+            return header, frames[1]
+        return header, b""   # a push other than a frame (closed, error)
+
+    def interrupt(self) -> int:
+        return self._request("session_interrupt", session=self.token)["dropped"]
+
+    def stats(self) -> dict:
+        return self._request("session_stats", session=self.token)
+
+    def close(self) -> dict:
+        self.closed = True
+        return self._request("session_close", session=self.token)
+
+
+class AsyncSession:
+    """One live session (asyncio): frames arrive on `self.frames` (an asyncio.Queue) as they come."""
+
+    def __init__(self, endpoint: str, model: str, *, curve: Optional[dict] = None, timeout_s: float = 30.0,
+                 **open_fields):
+        self.endpoint, self.model, self.timeout_s = endpoint, model, timeout_s
+        self._open_fields = {"format": "jpeg", "quality": None, "fps": None, "start_frame": 0, "audio": "window",
+                             **open_fields}
+        self._sock = _new_socket(zmq.asyncio.Context.instance(), endpoint, curve)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self.frames: asyncio.Queue[Frame] = asyncio.Queue()
+        self._reader: Optional[asyncio.Task] = None
+        self.info: dict = {}
+        self.token = ""
+
+    async def __aenter__(self) -> "AsyncSession":
+        self._reader = asyncio.create_task(self._read())
+        self.info = await self._request("session_open", **_open_fields(self.model, **self._open_fields))
+        self.token = self.info["session"]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        try:
+            await self.close()
+        except (ServerError, ClientTimeout):
+            pass
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+
+    async def _read(self) -> None:
+        while True:
+            frames = (await self._sock.recv_multipart())[1:]
+            header = json.loads(frames[0])
+            if header.get("event") == "frame":
+                self.frames.put_nowait((header, frames[1]))
+                continue
+            future = self._waiting.pop(header.get("id"), None)
+            if future is not None and not future.done():
+                future.set_result(frames)
+
+    async def _request(self, op: str, payload=(), **fields) -> dict:
+        rid = next(self._ids)
+        future = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        await self._sock.send_multipart([b"", _header(op, rid, **fields), *payload], copy=False)
+        try:
+            return _parse(await asyncio.wait_for(future, self.timeout_s))[0]
+        except asyncio.TimeoutError:
+            self._waiting.pop(rid, None)
+            raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s") from None
+
+    async def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
+        return await self._request("session_audio", [np.ascontiguousarray(audio, "<f4")], session=self.token,
+                                   last=last or None)
+
+    async def interrupt(self) -> int:
+        return (await self._request("session_interrupt", session=self.token))["dropped"]
+
+    async def stats(self) -> dict:
+        return await self._request("session_stats", session=self.token)
+
+    async def close(self) -> dict:
+        if not self.token:
+            return {}
+        token, self.token = self.token, ""
+        return await self._request("session_close", session=token)
+
+
+# -- the `stream` command ---------------------------------------------------------------------------
+
+async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, burst_s: float, seed: int,
+                      out: Optional[Path], progress: dict) -> dict:
+    """A session that speaks `duty` of the time in bursts of about `burst_s`, audio sent in real time
+    (one frame's window per frame period), frames read as they come."""
+    rng = np.random.default_rng(seed)
+    async with AsyncSession(endpoint, model) as s:
+        fps = s.info["fps"]
+        shape = s.info["audio_shape"]
+        on_time = late = received = 0
+        first: Optional[tuple[float, int]] = None
+
+        async def reader():
+            nonlocal on_time, late, received, first
+            while True:
+                header, image = await s.frames.get()
+                now = time.monotonic()
+                received += 1
+                if first is None:
+                    first = (now, header["index"])
+                due = first[0] + (header["index"] - first[1]) / fps
+                if now - due <= 0.040:
+                    on_time += 1
+                else:
+                    late += 1
+                progress[seed] = received
+                if out is not None:
+                    (out / f"s{seed}-{header['index']:06d}-{header['kind']}.jpg").write_bytes(image)
+
+        task = asyncio.create_task(reader())
+        t0 = time.monotonic()
+        speaking_until = 0.0
+        next_burst = t0 + rng.exponential(burst_s * (1 - duty) / max(duty, 1e-6)) if duty > 0 else float("inf")
+        tick = 0
+        while (now := time.monotonic()) - t0 < seconds:
+            if now >= next_burst and now >= speaking_until:
+                speaking_until = now + burst_s * rng.uniform(0.5, 1.5)
+                next_burst = speaking_until + rng.exponential(burst_s * (1 - duty) / duty)
+            if now < speaking_until:
+                await s.send_audio(rng.standard_normal((1, *shape)).astype(np.float32))
+            tick += 1
+            await asyncio.sleep(max(t0 + tick / fps - time.monotonic(), 0))
+        stats = await s.close()
+        task.cancel()
+    return {"received": received, "on_time": on_time, "late": late, **stats}
+
+
+async def run_stream(endpoint: str, model: str, seconds: float, duty: float, sessions: int = 1,
+                     out: Optional[str] = None, burst_s: float = 3.0, quiet: bool = False) -> list[dict]:
+    folder = Path(out) if out else None
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+    progress: dict[int, int] = {}
+
+    async def show():
+        while True:
+            await asyncio.sleep(1.0)
+            if not quiet:
+                sys.stderr.write(f"\r{len(progress)} session(s), {sum(progress.values())} frames received")
+
+    shower = asyncio.create_task(show())
+    results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress)
+                                     for i in range(sessions)))
+    shower.cancel()
+    if not quiet:
+        sys.stderr.write("\n")
+    return results
+
+
+def print_stream(results: list[dict]) -> None:
+    for i, r in enumerate(results):
+        on_time = 100 * r["on_time"] / max(r["received"], 1)
+        print(f"session {i}: {r['received']} frames ({r['frames_speech']} speech, {r['frames_idle']} idle), "
+              f"{on_time:.1f}% on time, missed {r['missed']}, dropped {r['dropped']}, server late {r['late']}, "
+              f"speech latency p50 {r['latency_ms_p50']} ms, p99 {r['latency_ms_p99']} ms")

@@ -1,0 +1,207 @@
+"""Live sessions over real processes: pacing, idle and speech pixels, features-mode windows, interrupt,
+close, disconnect, a killed inference worker, a client that does not read, admission."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import cv2
+import numpy as np
+import pytest
+import zmq
+
+from frontend.client import ServerError
+from frontend.stream import Session
+from tests.helpers import base_config, decode_image, make_avatar, mirror_index, run_server
+
+pytestmark = pytest.mark.slow
+N_FRAMES = 5
+FPS = 25.0
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_avatar(root, "a", n_frames=N_FRAMES)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    # A generous latency budget: on a loaded test machine every speech frame is still ready in time,
+    # so that pixels can be compared frame by frame (pacing under load is the bench's business).
+    cfg = base_config(models, sessions={"latency_budget_ms": 1200, "max_sessions": 3, "start_delay_ms": 300,
+                                        "max_queued_frames": 10})
+    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
+        yield srv
+
+
+def frames_for(session: Session, seconds: float) -> list:
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
+        if frame is not None and frame[0].get("event") == "frame":
+            out.append((time.monotonic(), *frame))
+    return out
+
+
+def background(models, k: int) -> np.ndarray:
+    return cv2.imread(str(models / "a" / "frames" / f"{k}.png"))
+
+
+def test_frames_are_paced_in_order_and_idle_frames_are_the_background(server, models):
+    with Session(server.endpoint, "a", format="png", start_frame=3) as s:
+        assert s.info["fps"] == FPS and (s.info["width"], s.info["height"]) == (320, 240)
+        got = frames_for(s, 3.0)
+    indices = [h["index"] for _, h, _ in got]
+    assert indices == list(range(len(indices))), "frames left out of order or with gaps"
+    assert abs(len(got) - 3.0 * FPS) <= 0.3 * FPS * 3, len(got)   # about 3 s worth, after the start delay
+    gaps = np.diff([t for t, _, _ in got])
+    assert 0.030 < np.median(gaps) < 0.050, np.median(gaps)   # 40 ms apart, not in bursts
+    for _, header, image in got[:12]:
+        assert header["kind"] == "idle" and header["pts_ms"] == header["index"] * 40
+        k = mirror_index(3 + header["index"], N_FRAMES)
+        assert header["frame"] == k
+        np.testing.assert_array_equal(decode_image(image, "png", {}), background(models, k))
+
+
+def test_speech_frames_equal_the_batch_api_for_the_same_audio_and_frame(server):
+    windows = np.random.default_rng(3).standard_normal((6, 32, 16, 16)).astype(np.float32)
+    with Session(server.endpoint, "a", format="png") as s:
+        frames_for(s, 0.5)
+        reply = s.send_audio(windows)
+        assert reply["frames"] == 6
+        got = {h["index"]: (h, img) for _, h, img in frames_for(s, 3.0) if h["kind"] == "speech"}
+    first = reply["first_frame"]
+    assert sorted(got) == list(range(first, first + 6)), sorted(got)
+    with server.client() as c:
+        for i, k in enumerate(range(first, first + 6)):
+            header, image = got[k]
+            _, (want,) = c.composite("a", windows[i:i + 1], start_frame=header["frame"], format="png")
+            np.testing.assert_array_equal(decode_image(image, "png", {}), decode_image(want, "png", {}))
+
+
+def get_audio_features(features: np.ndarray, index: int) -> np.ndarray:
+    """SyncTalk_2D's window, written out as its inference script does: rows index-8 .. index+7, zero-padded."""
+    left, right, pad_left, pad_right = index - 8, index + 8, 0, 0
+    if left < 0:
+        pad_left, left = -left, 0
+    if right > features.shape[0]:
+        pad_right, right = right - features.shape[0], features.shape[0]
+    auds = features[left:right]
+    return np.concatenate([np.zeros((pad_left, features.shape[1]), np.float32), auds,
+                           np.zeros((pad_right, features.shape[1]), np.float32)])
+
+
+def test_features_mode_builds_synctalk_windows(server):
+    features = np.random.default_rng(5).standard_normal((12, 512)).astype(np.float32)
+    with Session(server.endpoint, "a", format="png", audio="features") as s:
+        assert s.info["feature_shape"] == [512]
+        frames_for(s, 0.3)
+        first = s.send_audio(features[:5])["first_frame"]
+        assert s.send_audio(features[5:], last=True)["first_frame"] == first + 5   # contiguous
+        got = {h["index"]: (h, img) for _, h, img in frames_for(s, 3.0) if h["kind"] == "speech"}
+    assert sorted(got) == list(range(first, first + 12))
+    with server.client() as c:
+        for j in (0, 4, 11):
+            header, image = got[first + j]
+            window = get_audio_features(features, j).reshape(1, 32, 16, 16)
+            _, (want,) = c.composite("a", window, start_frame=header["frame"], format="png")
+            np.testing.assert_array_equal(decode_image(image, "png", {}), decode_image(want, "png", {}))
+
+
+def test_interrupt_drops_unsent_speech_and_close_reports_totals(server):
+    with Session(server.endpoint, "a") as s:
+        frames_for(s, 0.3)
+        reply = s.send_audio(np.zeros((40, 32, 16, 16), np.float32))
+        dropped = s.interrupt()
+        assert 0 < dropped <= 40
+        got = frames_for(s, 1.0)
+        assert sum(h["kind"] == "speech" for _, h, _ in got) <= 40 - dropped
+        totals = s.close()
+        assert totals["frames_idle"] + totals["frames_speech"] >= len(got)
+        assert s.next_frame(timeout_s=0.5) is None, "frames after session_close"
+    assert reply["first_frame"] > 0
+
+
+def test_bad_session_requests_are_refused(server):
+    with Session(server.endpoint, "a") as s:
+        with pytest.raises(ServerError) as err:
+            s.send_audio(np.zeros((3, 7), np.float32))
+        assert err.value.code == "bad_request" and "[n, 32, 16, 16]" in err.value.message
+        with pytest.raises(ServerError) as err:
+            s.send_audio(np.zeros((500, 32, 16, 16), np.float32))
+        assert err.value.code == "bad_request" and "sessions.max_chunk_frames" in err.value.message
+    with server.client() as c, pytest.raises(ServerError) as err:
+        c.request("session_stats", session="nope")
+    assert err.value.code == "bad_request" and "no open session" in err.value.message
+
+
+def test_admission_past_max_sessions_is_overloaded(server):
+    sessions = [Session(server.endpoint, "a") for _ in range(3)]
+    try:
+        with pytest.raises(ServerError) as err:
+            Session(server.endpoint, "a")
+        assert err.value.code == "overloaded" and "sessions.max_sessions" in err.value.message
+    finally:
+        for s in sessions:
+            s.__exit__(None, None, None)
+
+
+def test_a_disconnected_client_closes_its_sessions(server):
+    s = Session(server.endpoint, "a")
+    token = s.token
+    s._sock.close(linger=0)   # the client goes away without session_close
+    deadline = time.monotonic() + 5
+    with server.client() as c:
+        while True:
+            try:
+                c.request("session_stats", session=token)
+            except ServerError as err:
+                assert err.code == "bad_request" and "no open session" in err.message
+                break
+            assert time.monotonic() < deadline, "the session outlived its client"
+            time.sleep(0.1)
+
+
+def test_a_client_that_does_not_read_loses_frames_not_memory(server):
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 16 * 1024)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([b"", json.dumps({"op": "session_open", "id": 1, "model": "a", "format": "png"}).encode()])
+        assert sock.poll(10_000)
+        token = json.loads(sock.recv_multipart()[1])["session"]
+        time.sleep(3.0)   # ~70 frames of ~150 KB: far more than the socket buffers hold
+        with server.client() as c:
+            stats, _ = c.request("session_stats", session=token)
+        assert stats["dropped"] > 0 and stats["frames_idle"] + stats["dropped"] >= 50, stats
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def test_a_killed_inference_worker_costs_frames_not_the_stream(server):
+    with Session(server.endpoint, "a") as s:
+        frames_for(s, 0.3)
+        pid = server.pids("gpu")[0]
+        os.kill(pid, signal.SIGKILL)
+        s.send_audio(np.zeros((10, 32, 16, 16), np.float32))   # lands while the worker restarts
+        got = frames_for(s, 3.0)
+        indices = [h["index"] for _, h, _ in got]
+        assert indices == list(range(indices[0], indices[0] + len(indices))), "the stream stalled or skipped"
+        assert all(h.get("event") == "frame" for _, h, _ in got)
+        deadline = time.monotonic() + 60
+        while server.health()["status"] != "ready":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        reply = s.send_audio(np.zeros((5, 32, 16, 16), np.float32))
+        speech = [h["index"] for _, h, _ in frames_for(s, 3.0) if h["kind"] == "speech"]
+        assert speech == list(range(reply["first_frame"], reply["first_frame"] + 5)), speech
+        assert s.stats()["missed"] + s.stats()["frames_speech"] >= 10
