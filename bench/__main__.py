@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog] [--seconds S] [--frames N] [--models N]
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu] [--seconds S] [--frames N] [--models N]
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,7 +17,7 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog bench")
@@ -43,6 +43,13 @@ def main() -> int:
     if args.what in ("all", "catalog"):
         from bench import catalog
         results["catalog"] = catalog.run(args.models)
+    if args.what in ("all", "sessions"):
+        from bench import sessions
+        print("live sessions (near-zero-cost model, 1280x720 JPEG q75, 25 fps):")
+        results["sessions"] = sessions.run(models_dir, args.seconds)
+    if args.what in ("all", "cpu"):
+        from bench import cpu
+        results["cpu"] = cpu.run(models_dir, args.seconds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -93,6 +93,7 @@ class InferenceConfig(_Section):
     preload: tuple[ModelId, ...] = ()
     intra_op_threads: NonNegInt = 0
     tensorrt: bool = False
+    spin_threads: bool = False
 
 
 class CompositingConfig(_Section):

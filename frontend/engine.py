@@ -74,6 +74,7 @@ class Request:
     output: Any = None                    # InferDone.output (a TensorRef) of an `infer`
     size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
     gather_deadline: float = float("inf")
+    pin: int = 0                          # LOAD: +1 keeps the model loaded on that worker (a live session)
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ class Scheduler:
             worker = self._pick(r.model)
             if worker is None:
                 return self._finish(r, ErrorCode.UNAVAILABLE, self.no_worker_message())
-            return self._gather(r, [worker], LoadModel(req=r.req, model=r.model))
+            return self._gather(r, [worker], LoadModel(req=r.req, model=r.model, pin=r.pin))
         message = StatsQuery(req=r.req) if r.kind is Kind.STATS else UnloadModel(req=r.req, model=r.model)
         return self._gather(r, [w for w in self.workers if w.ready], message)
 
@@ -486,6 +487,11 @@ class Scheduler:
         return actions
 
     # -- ends -----------------------------------------------------------------------------------
+
+    def unpin(self, worker: int, model: str) -> list[Action]:
+        """A live session closed: its model may be evicted from `worker` again."""
+        w = self.workers[worker] if 0 <= worker < len(self.workers) else None
+        return [SendWorker(worker, LoadModel(req=0, model=model, pin=-1))] if w is not None and w.ready else []
 
     def fail(self, req: int, code: Union[ErrorCode, str], message: str) -> list[Action]:
         """The shell could not carry an action out (e.g. writing the inputs failed)."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
 RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
+BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
 
 @dataclass
@@ -46,6 +47,12 @@ class IdleRender:
     frames: list[int]
     format: str
     quality: int
+
+
+@dataclass
+class Pin:
+    """The engine `load` a session makes at open: its model is kept loaded on that worker until close."""
+    token: str
 
 
 class IdleCache:
@@ -81,6 +88,8 @@ class Live:
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = float("inf")
+        self._pending: dict[tuple, list] = {}          # (model, version, -, format, quality) -> speech frames
+        self._flush_timers: dict[tuple, asyncio.TimerHandle] = {}
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -124,6 +133,10 @@ class Live:
                           (WINDOW_ROWS, elements // WINDOW_ROWS), data=call)
         self.table.add(session)
         self.fe.metrics.sessions_open.set(len(self.table))
+        # The model is loaded now (not at the first speech) and kept loaded while the session is open.
+        pin = Request(Kind.LOAD, spec.id, deadline=now + self.fe.config.limits.request_timeout_s,
+                      data=Pin(session.token), pin=1)
+        self.fe.apply(self.fe.engine.submit(pin, now))
         self._prefetch(session)
         self._arm()
         return P.encode(P.SessionOpenReply(
@@ -160,23 +173,44 @@ class Live:
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n))
 
     def _infer(self, session: Session, frames: list[int], windows: np.ndarray) -> None:
-        """Speech frames become `composite` requests of at most limits.max_batch frames each."""
-        from frontend.server import Call
-        opened: Call = session.data
+        """Queue speech frames for inference. Frames of every session on the same model (and output
+        format) go out together, up to limits.max_batch per request: a full batch at once, else after
+        at most one frame period (capped at a quarter of the latency budget). Fewer, larger requests
+        are what keeps many sessions on time: each request holds an input and an output slot."""
+        key = self._key(session, -1)
+        pending = self._pending.setdefault(key, [])
+        pending += [(session.token, k, session.background(k), session.due(k), w) for k, w in zip(frames, windows)]
         step = self.fe.config.limits.max_batch
-        for i in range(0, len(frames), step):
-            part = frames[i:i + step]
-            audio = np.ascontiguousarray(windows[i:i + step], "<f4")
-            header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(part),
-                                     format=opened.header.format, quality=opened.header.quality)
-            call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
-                        tensors=Tensors(None, memoryview(audio.tobytes()), True),
-                        frames=[session.background(k) for k in part], session=session.token, timeline=part)
-            request = Request(Kind.COMPOSITE, session.model, len(part), deadline=session.due(part[-1]),
-                              conn=session.conn, data=call)
-            self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+        while len(pending) >= step:
+            self._submit_batch(key, pending[:step])
+            del pending[:step]
+        if pending and key not in self._flush_timers:
+            wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
+            self._flush_timers[key] = asyncio.get_running_loop().call_later(wait, self._flush, key)
+
+    def _flush(self, key: tuple) -> None:
+        self._flush_timers.pop(key, None)
+        pending = self._pending.pop(key, [])
+        if pending:
+            self._submit_batch(key, pending)
+
+    def _submit_batch(self, key: tuple, items: list) -> None:
+        from frontend.server import Call
+        items = [it for it in items if self.table.get(it[0]) is not None]   # sessions closed meanwhile
+        if not items:
+            return
+        opened: Call = self.table.get(items[0][0]).data
+        audio = np.ascontiguousarray(np.stack([w for *_, w in items]), "<f4")
+        header = P.RequestHeader(op=P.Op.COMPOSITE, model=key[0], batch=len(items), format=key[3], quality=key[4])
+        call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
+                    tensors=Tensors(None, memoryview(audio.tobytes()), True), frames=[b for _, _, b, _, _ in items],
+                    targets=[(token, k) for token, k, *_ in items])
+        request = Request(Kind.COMPOSITE, key[0], len(items), deadline=max(due for *_, due, _ in items), data=call)
+        self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _close(self, session: Session) -> None:
+        if session.pinned_worker is not None:
+            self.fe.apply(self.fe.engine.unpin(session.pinned_worker, session.model))
         self.table.pop(session.token)
         self.queued.closed(session.token)
         self.fe.metrics.sessions_open.set(len(self.table))
@@ -187,22 +221,48 @@ class Live:
 
     # -- engine results -------------------------------------------------------------------------
 
+    def owns(self, r: Request) -> bool:
+        """The engine requests live sessions make: speech batches, idle renders, model pins."""
+        return r.kind is Kind.IDLE or isinstance(r.data, Pin) or getattr(r.data, "targets", None) is not None
+
+    def done(self, r: Request) -> None:
+        if r.kind is Kind.IDLE:
+            self.idle_done(r)
+        elif isinstance(r.data, Pin):
+            session = self.table.get(r.data.token)
+            worker = r.results[0].worker if r.results else None
+            if session is None and worker is not None:   # closed before the load finished
+                self.fe.apply(self.fe.engine.unpin(worker, r.model))
+            elif session is not None:
+                session.pinned_worker = worker
+        else:
+            self.speech_done(r)
+
+    def failed(self, r: Request, message: str) -> None:
+        if r.kind is Kind.IDLE:
+            self.idle_failed(r, message)
+        elif isinstance(r.data, Pin):
+            log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
+        else:
+            self.speech_failed(r, message)
+
     def speech_done(self, r: Request) -> None:
-        """A speech chunk was composited: hold its frames until due."""
-        call = r.data
+        """A batch of speech frames was composited: each session holds its own until due."""
         images = [img for start in sorted(r.images) for img in r.images[start]]
         if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
             images = [bytes(img) for img in images]
             self.fe._release_images(r.req, r.image_slots)
-        session = self.table.get(call.session)
-        if session is not None:
-            session.ready(call.timeline, images)
+        for (token, k), image in zip(r.data.targets, images):
+            session = self.table.get(token)
+            if session is not None:
+                session.ready([k], [image])
 
     def speech_failed(self, r: Request, message: str) -> None:
-        session = self.table.get(r.data.session)
-        if session is not None:
-            session.failed(r.data.timeline)   # they go out idle, counted as missed; the stream goes on
-            log.info("session speech frames %s failed: %s", r.data.timeline[:3], message)
+        for token, k in r.data.targets:
+            session = self.table.get(token)
+            if session is not None:
+                session.failed([k])   # it goes out idle, counted as missed; the stream goes on
+        log.info("%d session speech frame(s) failed: %s", len(r.data.targets), message)
 
     def idle_done(self, r: Request) -> None:
         render: IdleRender = r.data

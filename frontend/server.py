@@ -62,8 +62,8 @@ class Call:
     spec: Optional[ModelSpec] = None
     tensors: Optional[Tensors] = None
     frames: list[int] = field(default_factory=list)
-    session: Optional[str] = None      # a live session's speech chunk: its frames are held, not replied
-    timeline: list[int] = field(default_factory=list)   # ... and the session frames they are
+    # Live sessions' speech: each frame's (session, frame index); its frames are held, not replied.
+    targets: Optional[list[tuple[str, int]]] = None
 
     @property
     def label(self) -> str:
@@ -489,11 +489,8 @@ class Frontend:
 
     def _fail(self, action: Fail) -> None:
         r, call = action.request, action.request.data
-        if r.kind is Kind.IDLE:
-            self.live.idle_failed(r, action.message)
-            return
-        if call.session is not None:
-            self.live.speech_failed(r, action.message)
+        if self.live.owns(r):
+            self.live.failed(r, action.message)
             return
         self._outcome(r, str(getattr(action.code, "value", action.code)))
         if action.code == CLIENT_GONE:
@@ -507,11 +504,8 @@ class Frontend:
 
     def _reply(self, r: Request) -> None:
         call = r.data
-        if r.kind is Kind.IDLE:
-            self.live.idle_done(r)
-            return
-        if call.session is not None:
-            self.live.speech_done(r)
+        if self.live.owns(r):
+            self.live.done(r)
             return
         if r.kind is Kind.INFER:
             header, data = self._infer_reply(r)

@@ -85,6 +85,7 @@ class Session:
         self._row_received: list[float] = []
         self._inferred_rows = 0              # rows whose frame was handed out for inference
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
+        self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
 
     def due(self, k: int) -> float:
         return self.t0 + k / self.fps

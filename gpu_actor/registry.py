@@ -65,11 +65,11 @@ class LoadResult:
 class Registry:
     def __init__(self, device: str, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
-                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None]):
+                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False):
         self.device = device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
-        self._threads, self._tensorrt = threads, tensorrt
+        self._threads, self._tensorrt, self._spin = threads, tensorrt, spin
         self._resolve = resolve          # model id -> onnx path, or None if unknown
         self._on_event = on_event        # (model, event, load_ms, nbytes)
         self._wake = wake                # called from the load thread when a load finishes
@@ -77,12 +77,16 @@ class Registry:
         self.loading: dict[str, cf.Future] = {}
         self.stats: dict[str, ModelStats] = {}
         self.busy: Counter[str] = Counter()   # tasks queued or running, per model
+        self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.loaded.clear()
+
+    def _held(self, model: str) -> bool:
+        return bool(self.busy[model] or self.pins[model])
 
     def stat(self, model: str) -> ModelStats:
         return self.stats.setdefault(model, ModelStats())
@@ -107,7 +111,7 @@ class Registry:
         t0 = time.perf_counter()
         before = self._memory()
         try:
-            runner = ModelRunner(path, self.device, self._threads, self._tensorrt)
+            runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin)
             runner.warm_up()
         except AssetError as err:
             return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
@@ -160,7 +164,7 @@ class Registry:
 
     def _make_room(self, extra: int, keep: Optional[str] = None) -> None:
         while self._over_cap(extra):
-            idle = [(m, s) for m, s in self.loaded.items() if not self.busy[m] and m != keep]
+            idle = [(m, s) for m, s in self.loaded.items() if not self._held(m) and m != keep]
             if not idle:
                 log.warning("model cap exceeded but every loaded model is busy; evicting later")
                 return
@@ -177,7 +181,7 @@ class Registry:
 
     def unload(self, model: str) -> bool:
         """Unload now if idle; returns False if it is busy (the caller reports it)."""
-        if self.busy[model]:
+        if self._held(model):
             return False
         if model in self.loading:  # the load thread cannot be stopped: drop the model when it is done
             self._unload_when_loaded.add(model)
@@ -191,7 +195,7 @@ class Registry:
         if not self.idle_unload_s:
             return
         for model, state in list(self.loaded.items()):
-            if not self.busy[model] and now - state.last_used > self.idle_unload_s:
+            if not self._held(model) and now - state.last_used > self.idle_unload_s:
                 self._drop(model, "unloaded")
 
     def touch(self, model: str, frames: int) -> None:

@@ -71,11 +71,17 @@ def _dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
 
-def make_session(path: Path, device: str, threads: int, tensorrt: bool = False) -> ort.InferenceSession:
+def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
+                 spin: bool = False) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
+    if not spin:
+        # NOTE: onnxruntime's pool threads spin for a while after each run, waiting for the next one:
+        # on a host shared with compositing processes that burns the cores they need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     options.log_severity_level = 3
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
@@ -88,10 +94,10 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False) 
 
 
 class ModelRunner:
-    def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False):
+    def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False):
         self.path = path
         self.device = device
-        self.session = make_session(path, device, threads, tensorrt)
+        self.session = make_session(path, device, threads, tensorrt, spin)
         self.io: ModelIO = classify_io(
             [(i.name, _dims(i.shape)) for i in self.session.get_inputs()],
             [(o.name, _dims(o.shape)) for o in self.session.get_outputs()], str(path))

@@ -57,7 +57,7 @@ class InferenceWorker:
         self._wake_lock = threading.Lock()
         self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, self._wake)
+                                 self._model_event, self._wake, inf.spin_threads)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
@@ -146,6 +146,11 @@ class InferenceWorker:
             self.outputs.become_writer()
 
     def _load_op(self, msg: LoadModel) -> None:
+        if msg.pin < 0:   # a live session closed: the model may be evicted again (no answer)
+            self.registry.pins[msg.model] = max(self.registry.pins[msg.model] - 1, 0)
+            return
+        if msg.pin > 0:
+            self.registry.pins[msg.model] += 1
         if msg.model in self.registry.loaded:
             self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
                                                   load_ms=self.registry.stat(msg.model).load_ms)))

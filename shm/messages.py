@@ -61,6 +61,7 @@ class ReleaseTask(_Msg):
 class LoadModel(_Msg):
     req: int
     model: str
+    pin: int = 0          # +1: load and keep it loaded (a live session); -1: release such a pin, no answer
 
 
 class UnloadModel(_Msg):
