@@ -103,6 +103,7 @@ class CompositingConfig(_Section):
     max_frame_width: Annotated[int, msgspec.Meta(ge=64, le=8192)] = 1920
     max_frame_height: Annotated[int, msgspec.Meta(ge=64, le=8192)] = 1080
     eviction: Literal["lru", "lfu"] = "lru"
+    jpeg_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] = 128 * 1024 * 1024
 
     def resolved_workers(self) -> int:
         if self.workers == "auto":

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import cv2
 import numpy as np
-import simplejpeg
 
 from config.geometry import INNER, mouths_to_uint8
+from cpu_actor.jpeg import encode_jpeg
 
 try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
     from fpng import fpng_ext as _fpng
@@ -35,9 +35,10 @@ def paste(background: np.ndarray, crop: np.ndarray, mouth_hwc: np.ndarray, rect)
 
 
 def encode(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
-    """jpeg (libjpeg-turbo, 4:2:0, straight from BGR), png (lossless), or raw HxWx3 BGR bytes."""
+    """jpeg (libjpeg-turbo, 4:2:0, straight from BGR, a restart marker per MCU row: cpu_actor/jpeg.py),
+    png (lossless), or raw HxWx3 BGR bytes."""
     if fmt == "jpeg":
-        return simplejpeg.encode_jpeg(image, quality, colorspace="BGR", colorsubsampling="420")
+        return encode_jpeg(image, quality)
     if fmt == "png":
         return encode_png(image)
     if fmt == "raw":

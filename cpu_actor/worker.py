@@ -23,6 +23,7 @@ import zmq
 from config import Config
 from config.assets import AssetCache, AssetError
 from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
@@ -48,6 +49,7 @@ class Compositor:
         self.backlog: deque[CompositeTask] = deque()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
+        self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
         self._stopping = False
         self._preload = self._preload_frames(len(run.endpoints.cpu))
 
@@ -130,6 +132,13 @@ class Compositor:
                 background, crop, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f),
                                                          out=None if targets is None else targets[i])
                 hits += hit
+                if task.format == "jpeg":   # only the rows under the face box are encoded (cpu_actor/jpeg.py)
+                    key = (assets.store_id, frame, task.quality)
+                    self.splicer.remember(key, background, task.quality)
+                    image = paste(background, crop, mouth, assets.rects[frame])
+                    _, y1, _, y2 = (int(v) for v in assets.rects[frame])
+                    encoded.append(self.splicer.encode(key, image, y1, y2, task.quality))
+                    continue
                 image = paste(background, crop, mouth, assets.rects[frame])
                 if targets is None:
                     encoded.append(encode(image, task.format, task.quality))

@@ -185,3 +185,23 @@ def test_store_refuses_frames_larger_than_its_entries(tmp_path):
         assert not hit
     finally:
         store.close(unlink=True)
+
+
+@pytest.mark.parametrize("size, rows", [((1280, 720), (200, 470)), ((330, 250), (0, 37)), ((330, 250), (233, 250)),
+                                        ((64, 64), (0, 64))])
+def test_a_spliced_jpeg_is_the_whole_frame_encoded(size, rows):
+    """Re-encoding only the MCU rows under the face box gives the very bytes of encoding the frame."""
+    from cpu_actor.jpeg import RowSplicer, encode_jpeg
+    rng = np.random.default_rng(sum(size) + rows[0])
+    w, h = size
+    background = cv2.GaussianBlur(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), (7, 7), 2)
+    splicer = RowSplicer(1 << 20)
+    for quality in (75, 90):
+        splicer.remember(("bg", quality), background, quality)
+        frame = background.copy()
+        y1, y2 = rows
+        frame[y1:y2, w // 4: w // 2] = rng.integers(0, 256, (y2 - y1, w // 2 - w // 4, 3), dtype=np.uint8)
+        spliced = splicer.encode(("bg", quality), frame, y1, y2, quality)
+        assert spliced == encode_jpeg(frame, quality)
+        decoded = simplejpeg.decode_jpeg(spliced, colorspace="BGR")
+        assert decoded.shape == (h, w, 3) and np.abs(decoded.astype(int) - frame).mean() < 20
