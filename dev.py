@@ -6,7 +6,9 @@
 
 Only the standard library is used here, so this works on a fresh machine with Python >= 3.10.
 The venv is refreshed whenever pyproject.toml changes (a hash is kept in .venv/.installed).
-Extras: `LIPSYNC_EXTRAS=gpu` installs onnxruntime-gpu + cupy instead of onnxruntime.
+Extras: `LIPSYNC_EXTRAS=gpu` installs onnxruntime-gpu + cupy (and NVIDIA's CUDA runtime wheels)
+instead of onnxruntime, built for the CUDA major version this host's driver supports (13: extra
+`gpu`, 12: extra `gpu-cu12`); `LIPSYNC_EXTRAS=gpu-cu12` or `gpu-cu13` forces one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,45 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".installed"
+
+
+def driver_cuda_version() -> tuple[int, int] | None:
+    """The newest CUDA version the NVIDIA driver supports, (major, minor); None without a driver.
+    cuDriverGetVersion from libcuda.so.1 (the driver's own library), else `nvidia-smi`'s banner."""
+    import ctypes
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value:
+            return version.value // 1000, version.value % 1000 // 10
+    except (OSError, AttributeError):
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    import re
+    match = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", out)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def choose_extras(wanted: str, driver: tuple[int, int] | None) -> tuple[str, str]:
+    """The pyproject extra to install for LIPSYNC_EXTRAS=`wanted`, and why."""
+    if wanted == "gpu-cu13":
+        return "gpu", "LIPSYNC_EXTRAS=gpu-cu13 asks for the CUDA 13 build"
+    if wanted != "gpu":
+        return wanted, f"LIPSYNC_EXTRAS={wanted}"
+    if driver is None:
+        raise SystemExit("LIPSYNC_EXTRAS=gpu: no NVIDIA driver found (no libcuda.so.1, no nvidia-smi); install the "
+                         "driver, force a build with LIPSYNC_EXTRAS=gpu-cu12 or gpu-cu13, or leave LIPSYNC_EXTRAS unset "
+                         "for the CPU")
+    version = f"{driver[0]}.{driver[1]}"
+    if driver[0] >= 13:
+        return "gpu", f"the driver supports CUDA {version}: onnxruntime-gpu's CUDA 13 build"
+    if driver[0] == 12:
+        return "gpu-cu12", f"the driver supports CUDA {version}, not 13: onnxruntime-gpu's CUDA 12 build (< 1.27)"
+    raise SystemExit(f"LIPSYNC_EXTRAS=gpu: the driver supports CUDA {version}; onnxruntime-gpu needs a driver for "
+                     "CUDA 12 or 13: update the NVIDIA driver")
 
 
 def _want_stamp(extras: str) -> str:
@@ -49,11 +90,12 @@ def _bootstrap_pip() -> None:
 
 
 def ensure_venv() -> None:
-    extras = os.environ.get("LIPSYNC_EXTRAS", "cpu")
+    wanted = os.environ.get("LIPSYNC_EXTRAS", "cpu")
+    extras, why = choose_extras(wanted, driver_cuda_version() if wanted == "gpu" else None)
     want = _want_stamp(extras)
     if STAMP.exists() and STAMP.read_text() == want and PYTHON.exists():
         return
-    print(f"setting up {VENV.name} (extras: {extras}) ...", flush=True)
+    print(f"setting up {VENV.name} (extras: {extras}: {why}) ...", flush=True)
     if not PYTHON.exists():
         try:
             venv.EnvBuilder(with_pip=True).create(VENV)

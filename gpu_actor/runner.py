@@ -40,10 +40,14 @@ def _require_cuda(session: ort.InferenceSession, device: str) -> None:
     # NOTE: onnxruntime does not fail when the CUDA provider cannot load (no onnxruntime-gpu, or its
     # CUDA / cuDNN libraries missing): it warns and runs on the CPU. A GPU worker must not.
     if device != "cpu" and "CUDAExecutionProvider" not in session.get_providers():
+        from gpu_actor.cuda_libs import extra_for, missing_libraries
+        missing = missing_libraries(ort.__version__)
+        cause = (f"these libraries it links cannot be loaded: {', '.join(missing)}" if missing else
+                 "its libraries load, so check the driver (nvidia-smi) and that this GPU is visible")
         raise DeviceError(
-            f"onnxruntime cannot use {device}: its CUDA provider did not load (it runs on {session.get_providers()}). "
-            "Install the gpu extra (LIPSYNC_EXTRAS=gpu: onnxruntime-gpu, which needs the CUDA 13 runtime, cuBLAS "
-            "and cuDNN 9 libraries) on a host with an NVIDIA driver, or set inference.devices: cpu")
+            f"onnxruntime {ort.__version__} cannot use {device}: its CUDA provider did not load ({cause}; it runs on "
+            f"{session.get_providers()}). Install the extra built for this host's driver: LIPSYNC_EXTRAS=gpu picks it "
+            f"(this onnxruntime needs extra {extra_for(ort.__version__)!r}), or set inference.devices: cpu")
 
 
 def check_device(device: str) -> None:
@@ -51,6 +55,8 @@ def check_device(device: str) -> None:
     the CPU refuses to start instead, with the cause."""
     if device == "cpu":
         return
+    from gpu_actor.cuda_libs import preload
+    preload()
     from onnx import TensorProto, helper
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "device_check",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
@@ -63,8 +69,10 @@ def check_device(device: str) -> None:
     try:
         device_memory_used(cuda_id(device))
     except Exception as err:
-        raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install cupy-cuda13x, the gpu "
-                          "extra's build for the CUDA 13 runtime onnxruntime-gpu uses)") from None
+        from gpu_actor.cuda_libs import extra_for
+        raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install the extra that pairs "
+                          f"cupy with this onnxruntime's CUDA: {extra_for(ort.__version__)!r}; LIPSYNC_EXTRAS=gpu "
+                          "picks it by the driver)") from None
 
 
 def _dims(shape) -> list:
@@ -73,6 +81,9 @@ def _dims(shape) -> list:
 
 def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
                  spin: bool = False) -> ort.InferenceSession:
+    if device != "cpu":
+        from gpu_actor.cuda_libs import preload
+        preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
