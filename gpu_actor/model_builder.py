@@ -14,7 +14,7 @@ plus the input when shapes match. About 12.2 M parameters and 4.9 GMAC per frame
 
 `tiny` has the same inputs and output but costs almost nothing: sigmoid(1x1 conv(visual) + mean(audio)).
 
-CLI: python -m gpu_actor.model_builder OUT.onnx [--kind unet328|tiny] [--audio ave|hubert|wenet]
+CLI: python -m gpu_actor.model_builder OUT.onnx [--kind unet328|tiny|audio_encoder] [--audio ave|hubert|wenet]
      [--seed N] [--batch N]
 """
 
@@ -162,6 +162,45 @@ def build_model(kind: str = "unet328", audio: str = "ave", seed: int = 0, batch:
     return model
 
 
+# SyncTalk_2D's AudioEncoder (utils.py): (cin, cout, kernel, stride, pad, residual) per Conv2d block, each
+# conv + batch norm (folded here) [+ input] -> ReLU. A mel window [B, 1, 80, 16] -> [B, 512].
+_AUDIO_ENCODER = [
+    (1, 32, 3, 1, 1, False), (32, 32, 3, 1, 1, True), (32, 32, 3, 1, 1, True),
+    (32, 64, 3, (3, 1), 1, False), (64, 64, 3, 1, 1, True), (64, 64, 3, 1, 1, True),
+    (64, 128, 3, 3, 1, False), (128, 128, 3, 1, 1, True), (128, 128, 3, 1, 1, True),
+    (128, 256, 3, (3, 2), 1, False), (256, 256, 3, 1, 1, True),
+    (256, 512, 3, 1, 0, False), (512, 512, 1, 1, 0, False),
+]
+
+
+def build_audio_encoder(seed: int = 0, batch: Optional[int] = None) -> onnx.ModelProto:
+    """The ave audio encoder with random weights: mel [B, 1, 80, 16] -> features [B, 512]."""
+    g = _Graph(seed)
+    x = "mel"
+    for cin, cout, k, stride, pad, residual in _AUDIO_ENCODER:
+        y = g.conv(x, cin, cout, k, stride, pad, gain=0.3 if residual else 1.0)
+        x = g.relu(g.op("Add", y, x) if residual else y)
+    g.nodes.append(helper.make_node("Flatten", [x], ["features"], axis=1))
+    b = batch if batch is not None else "batch"
+    graph = helper.make_graph(g.nodes, "audio_encoder_ave",
+                              [helper.make_tensor_value_info("mel", TensorProto.FLOAT, [b, 1, 80, 16])],
+                              [helper.make_tensor_value_info("features", TensorProto.FLOAT, [b, 512])], g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="lipsync-serve.model_builder")
+    model.ir_version = 7
+    onnx.checker.check_model(model)
+    return model
+
+
+def write_audio_encoder(path: str | Path, seed: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".onnx.tmp")
+    onnx.save(build_audio_encoder(seed), str(tmp))
+    tmp.replace(path)
+    return path
+
+
 def write_model(path: str | Path, **kwargs) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,11 +230,18 @@ def describe(model: onnx.ModelProto) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu_actor.model_builder", description=__doc__.split("\n")[0])
     parser.add_argument("out", help="path of the .onnx file to write")
-    parser.add_argument("--kind", choices=["unet328", "tiny"], default="unet328")
+    parser.add_argument("--kind", choices=["unet328", "tiny", "audio_encoder"], default="unet328",
+                        help="audio_encoder: SyncTalk_2D's ave AudioEncoder, mel [B,1,80,16] -> [B,512]")
     parser.add_argument("--audio", choices=sorted(AUDIO_SHAPES), default="ave")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=None, help="fixed batch size (default: dynamic)")
     args = parser.parse_args(argv)
+    if args.kind == "audio_encoder":
+        path = write_audio_encoder(args.out, seed=args.seed)
+        info = describe(onnx.load(str(path)))
+        print(f"wrote {path}: audio encoder, {info['parameters'] / 1e6:.2f} M parameters, "
+              f"{info['gmac_per_frame'] * 1000:.1f} MMAC per window")
+        return 0
     path = write_model(args.out, kind=args.kind, audio=args.audio, seed=args.seed, batch=args.batch)
     info = describe(onnx.load(str(path)))
     print(f"wrote {path}: {args.kind}/{args.audio}, {info['parameters'] / 1e6:.2f} M parameters, "

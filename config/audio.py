@@ -1,0 +1,136 @@
+"""The "ave" audio contract of SyncTalk_2D models, from 16 kHz PCM to each video frame's window.
+
+    PCM (16 kHz mono) -> pre-emphasis 0.97 -> |STFT| (n_fft 800, hop 200, hann window 800, centred:
+    the signal is padded by 400 zeros on each side, as librosa.stft does by default since 0.10)
+    -> 80 mel bins (Slaney, 55 .. 7600 Hz) -> 20 * log10(max(1e-5, S)) - 20
+    -> clip(8 * (S + 100) / 100 - 4, -4, 4)                            mel: [n_mel, 80], 80 rows per second
+
+An utterance of n_mel mel rows gives L = int((n_mel - 16) / 80 * 25) + 2 encoder inputs; input j is
+mel rows int(80 * j / 25) .. +16, moved back to end at the last row where it would run past it, as
+[1, 80, 16]. The encoder (SyncTalk_2D's AudioEncoder) maps each to 512 features; the L outputs are
+padded by repeating the first and the last ([f0, f0 .. f(L-1), f(L-1)]: L + 2 vectors), and video
+frame i (0 .. L+1) takes rows i-8 .. i+7 of that, zeros outside, reshaped to [32, 16, 16].
+
+numpy only; the mel filter bank is computed here (no librosa at run time) and tested against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SAMPLE_RATE = 16000
+N_FFT = 800
+HOP = 200
+N_MELS = 80
+FMIN, FMAX = 55.0, 7600.0
+PREEMPHASIS = 0.97
+MEL_WINDOW = 16                      # mel rows per encoder input
+MEL_PER_S = SAMPLE_RATE / HOP        # 80
+FPS = 25
+FEATURES = 512                       # encoder output per input
+WINDOW_ROWS = 16                     # feature rows per video frame: i-8 .. i+7
+AUDIO_SHAPE = (32, 16, 16)           # WINDOW_ROWS * FEATURES, as the ave model takes it
+
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale (librosa's default, htk=False): linear below 1 kHz, logarithmic above."""
+    f = np.asarray(f, np.float64)
+    mel = f / (200.0 / 3)
+    log_region = f >= 1000.0
+    mel[log_region] = 15.0 + np.log(f[log_region] / 1000.0) / (np.log(6.4) / 27.0)
+    return mel
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, np.float64)
+    f = m * (200.0 / 3)
+    log_region = m >= 15.0
+    f[log_region] = 1000.0 * np.exp((np.log(6.4) / 27.0) * (m[log_region] - 15.0))
+    return f
+
+
+def mel_filters(sr: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int = N_MELS, fmin: float = FMIN,
+                fmax: float = FMAX) -> np.ndarray:
+    """[n_mels, 1 + n_fft // 2] triangular filters, Slaney-normalised (librosa.filters.mel's defaults)."""
+    fft_freqs = np.linspace(0, sr / 2, 1 + n_fft // 2)
+    mel_f = _mel_to_hz(np.linspace(_hz_to_mel(np.array([fmin]))[0], _hz_to_mel(np.array([fmax]))[0], n_mels + 2))
+    fdiff = np.diff(mel_f)
+    ramps = mel_f[:, None] - fft_freqs[None, :]
+    lower = -ramps[:-2] / fdiff[:-1, None]
+    upper = ramps[2:] / fdiff[1:, None]
+    weights = np.maximum(0, np.minimum(lower, upper))
+    weights *= (2.0 / (mel_f[2:n_mels + 2] - mel_f[:n_mels]))[:, None]
+    return weights.astype(np.float32)
+
+
+_FILTERS = mel_filters()
+_WINDOW = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT))   # periodic hann, scipy's fftbins=True
+
+
+def pcm16_to_float(pcm: bytes | memoryview) -> np.ndarray:
+    """16-bit little-endian PCM -> float32 in [-1, 1)."""
+    return np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+
+
+def preemphasis(wav: np.ndarray, previous: float = 0.0) -> np.ndarray:
+    """y[n] = x[n] - 0.97 x[n-1] (scipy.signal.lfilter([1, -0.97], [1], x)); `previous` continues a stream."""
+    wav = np.asarray(wav, np.float64)
+    out = wav.copy()
+    out[0] -= PREEMPHASIS * previous
+    out[1:] -= PREEMPHASIS * wav[:-1]
+    return out
+
+
+def stft_magnitude(y: np.ndarray) -> np.ndarray:
+    """|STFT| of a pre-emphasised signal, centred with zero padding: [1 + len(y) // HOP, 401]."""
+    padded = np.pad(np.asarray(y, np.float64), N_FFT // 2)
+    n = 1 + (len(padded) - N_FFT) // HOP
+    frames = np.lib.stride_tricks.as_strided(padded, (n, N_FFT), (padded.strides[0] * HOP, padded.strides[0]))
+    return np.abs(np.fft.rfft(frames * _WINDOW, axis=1))
+
+
+def normalize(magnitude: np.ndarray) -> np.ndarray:
+    """[n, 401] |STFT| -> [n, 80] normalised log-mel rows."""
+    mel = magnitude @ _FILTERS.T.astype(np.float64)
+    db = 20 * np.log10(np.maximum(1e-5, mel)) - 20
+    return np.clip(8 * (db + 100) / 100 - 4, -4, 4).astype(np.float32)
+
+
+def melspectrogram(wav: np.ndarray) -> np.ndarray:
+    """A whole utterance (float samples at 16 kHz) -> mel rows [n_mel, 80] (SyncTalk_2D's melspectrogram().T)."""
+    return normalize(stft_magnitude(preemphasis(wav)))
+
+
+def encoder_inputs(mel: np.ndarray) -> np.ndarray:
+    """[n_mel, 80] -> [L, 1, 80, 16]: SyncTalk_2D's AudDataset windows (crop_audio_window)."""
+    n_mel = len(mel)
+    if n_mel < MEL_WINDOW:
+        raise ValueError(f"an utterance needs at least {MEL_WINDOW} mel rows ({(MEL_WINDOW - 1) * HOP} samples), "
+                         f"got {n_mel}")
+    count = int((n_mel - MEL_WINDOW) / MEL_PER_S * FPS) + 2
+    out = np.empty((count, 1, N_MELS, MEL_WINDOW), np.float32)
+    for j in range(count):
+        start = int(MEL_PER_S * (j / FPS))
+        end = start + MEL_WINDOW
+        if end > n_mel:
+            start, end = n_mel - MEL_WINDOW, n_mel
+        out[j, 0] = mel[start:end].T
+    return out
+
+
+def frame_windows(features: np.ndarray) -> np.ndarray:
+    """Encoder outputs [L, 512] -> every video frame's window [L + 2, 32, 16, 16] (first and last repeated,
+    then rows i-8 .. i+7, zeros outside)."""
+    padded = np.concatenate([features[:1], features, features[-1:]]).astype(np.float32)
+    n = len(padded)
+    out = np.zeros((n, WINDOW_ROWS, padded.shape[1]), np.float32)
+    for i in range(n):
+        lo, hi = max(i - 8, 0), min(i + 8, n)
+        out[i, lo - (i - 8): hi - (i - 8)] = padded[lo:hi]
+    return out.reshape(n, *AUDIO_SHAPE)
+
+
+def frame_count(n_samples: int) -> int:
+    """Video frames an utterance of n_samples yields (L + 2)."""
+    n_mel = 1 + n_samples // HOP
+    return int((n_mel - MEL_WINDOW) / MEL_PER_S * FPS) + 4 if n_mel >= MEL_WINDOW else 0
