@@ -48,6 +48,14 @@ class ModelPaths:
     frames: Path
     crop_rects: Path
     frame_order: str = "mirror"
+    audio_encoder: Optional[Path] = None   # mel -> features, for 16 kHz PCM input (config/audio.py)
+
+
+def _encoder(config: Config, own: Optional[Path]) -> Optional[Path]:
+    """A model's own audio_encoder.onnx, else the shared `audio.encoder`, else None."""
+    if own is not None and own.exists():
+        return own
+    return resolve_path(config, config.audio.encoder) if config.audio.encoder else None
 
 
 def model_paths(config: Config, model_id: str) -> Optional[ModelPaths]:
@@ -57,16 +65,19 @@ def model_paths(config: Config, model_id: str) -> Optional[ModelPaths]:
     entry = config.models.get(model_id)
     if isinstance(entry, str):  # a directory laid out like one under models_dir
         root = resolve_path(config, entry)
-        return ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json")
+        return ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json",
+                          audio_encoder=_encoder(config, root / "audio_encoder.onnx"))
     if entry is not None:
+        own = resolve_path(config, entry.audio_encoder) if entry.audio_encoder else None
         return ModelPaths(model_id, resolve_path(config, entry.onnx), resolve_path(config, entry.frames),
-                          resolve_path(config, entry.crop_rects), entry.frame_order)
+                          resolve_path(config, entry.crop_rects), entry.frame_order, _encoder(config, own))
     if config.models_dir is None:
         return None
     root = resolve_path(config, config.models_dir) / model_id
     if not root.is_dir():
         return None
-    return ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json")
+    return ModelPaths(model_id, root / "model.onnx", root / "frames", root / "crop_rects.json",
+                      audio_encoder=_encoder(config, root / "audio_encoder.onnx"))
 
 
 def list_model_ids(config: Config) -> list[str]:

@@ -29,6 +29,7 @@ MEL_PER_S = SAMPLE_RATE / HOP        # 80
 FPS = 25
 FEATURES = 512                       # encoder output per input
 WINDOW_ROWS = 16                     # feature rows per video frame: i-8 .. i+7
+SAMPLES_PER_FRAME = SAMPLE_RATE // FPS   # 640: the 40 ms of audio that plays with one frame
 AUDIO_SHAPE = (32, 16, 16)           # WINDOW_ROWS * FEATURES, as the ave model takes it
 
 
@@ -134,3 +135,12 @@ def frame_count(n_samples: int) -> int:
     """Video frames an utterance of n_samples yields (L + 2)."""
     n_mel = 1 + n_samples // HOP
     return int((n_mel - MEL_WINDOW) / MEL_PER_S * FPS) + 4 if n_mel >= MEL_WINDOW else 0
+
+
+def frame_audio(pcm: bytes, frames: int, first: int = 0) -> list[bytes]:
+    """Frame i's 40 ms of int16 PCM (samples i*640 .. +640 of the utterance, zeros past its end)."""
+    out = []
+    for i in range(first, first + frames):
+        piece = pcm[i * SAMPLES_PER_FRAME * 2: (i + 1) * SAMPLES_PER_FRAME * 2]
+        out.append(piece + bytes(SAMPLES_PER_FRAME * 2 - len(piece)))
+    return out

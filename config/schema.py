@@ -71,6 +71,7 @@ class ModelEntry(_Section):
     frames: str
     crop_rects: str
     frame_order: FrameOrder = "mirror"
+    audio_encoder: Optional[str] = None    # this model's mel -> features encoder (else audio.encoder)
 
 
 class LimitsConfig(_Section):
@@ -129,6 +130,10 @@ class SupervisorConfig(_Section):
     restart_window_s: PosFloat = 300.0
 
 
+class AudioConfig(_Section):
+    encoder: Optional[str] = None          # the ave audio encoder shared by models without their own
+
+
 class SessionsConfig(_Section):
     fps: Annotated[float, msgspec.Meta(gt=0, le=60)] = 25.0
     max_sessions: PosInt = 256
@@ -159,6 +164,7 @@ class Config(_Section):
     shm: ShmConfig = ShmConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     sessions: SessionsConfig = SessionsConfig()
+    audio: AudioConfig = AudioConfig()
     demo: DemoConfig = DemoConfig()
     bridge: BridgeConfig = BridgeConfig()
     # Where the file came from: relative paths in it resolve against this directory.

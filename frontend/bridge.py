@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from config import Config
+from config.audio import frame_count
 from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset, mouths_to_uint8, valid_model_id
 from config.keys import make_server, public_keys_in, start_authenticator
 from frontend.engine import (Dispatch, Fail, FreeInput, Kind, ReleaseOutput, Reply, Request, ResetInputs, Scheduler,
@@ -153,12 +154,18 @@ class BridgeServer:
             raise BridgeError(f"batch {msg.batch} is more than this host's limits.max_batch ({lim.max_batch})")
         if len(msg.frames) != msg.batch:
             raise BridgeError(f"{len(msg.frames)} frame indices for a batch of {msg.batch}")
-        elements = int(np.prod(msg.audio_shape))
-        if elements > lim.max_audio_elements:
-            raise BridgeError(f"audio window {list(msg.audio_shape)} is more than this host's "
-                              f"limits.max_audio_elements ({lim.max_audio_elements})")
-        want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [msg.batch * elements * 4]
         got = [len(f.buffer) for f in data]
+        if msg.pcm:
+            samples = len(data[-1].buffer) // 2 if data else 0
+            if frame_count(samples) != msg.batch or len(data[-1].buffer) % 2:
+                raise BridgeError(f"{len(data[-1].buffer) if data else 0} bytes of PCM do not give {msg.batch} frames")
+            want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [samples * 2]
+        else:
+            elements = int(np.prod(msg.audio_shape))
+            if elements > lim.max_audio_elements:
+                raise BridgeError(f"audio window {list(msg.audio_shape)} is more than this host's "
+                                  f"limits.max_audio_elements ({lim.max_audio_elements})")
+            want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [msg.batch * elements * 4]
         if got != want:
             raise BridgeError(f"tensor frames of {got} bytes; expected {want}")
         call.tensors = [f.bytes for f in data]
@@ -228,9 +235,14 @@ class BridgeServer:
             ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(call.tensors[0], "<f4").reshape(shape)
             visual = ring.ref(slot, 0, "float32", shape)
             offset = audio_offset(task.batch * VISUAL_BYTES)
-        a_shape = (task.batch, *task.audio_shape)
-        ring.writable(slot, offset, "float32", a_shape)[...] = np.frombuffer(call.tensors[-1], "<f4").reshape(a_shape)
-        audio = ring.ref(slot, offset, "float32", a_shape)
+        if task.pcm:
+            samples = np.frombuffer(call.tensors[-1], "<i2")
+            ring.writable(slot, offset, "int16", samples.shape)[...] = samples
+            audio = ring.ref(slot, offset, "int16", samples.shape)
+        else:
+            a_shape = (task.batch, *task.audio_shape)
+            ring.writable(slot, offset, "float32", a_shape)[...] = np.frombuffer(call.tensors[-1], "<f4").reshape(a_shape)
+            audio = ring.ref(slot, offset, "float32", a_shape)
         call.tensors = None
         self.to_gpu[action.worker].send(encode(InferTask(
             req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],

@@ -36,6 +36,7 @@ class ModelSpec:
     height: int
     order: str = "mirror"
     version: int = 0       # token of the background files read (config.assets.files_version)
+    encoder: bool = False  # an audio encoder is configured: 16 kHz PCM input is possible
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class Catalog:
                                 f"{io.audio_elements} elements, more than limits.max_audio_elements ({limit}); "
                                 "raise it", time.monotonic())
         return ModelSpec(model_id, io.audio_shape, assets.n_frames, assets.width, assets.height, assets.order,
-                         assets.version)
+                         assets.version, paths.audio_encoder is not None)
 
     def forget(self, model_id: str) -> None:
         """Read the model's files again on next use (`unload` calls this: it is how replaced files are

@@ -51,6 +51,8 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     format: Optional[ImageFormat] = None
     quality: Optional[Annotated[int, msgspec.Meta(ge=1, le=100)]] = None
     timeout_ms: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
+    audio_format: Literal["float32", "pcm16"] = "float32"   # pcm16: 16 kHz mono int16 LE speech (ave models)
+    return_audio: bool = False      # pcm16: the reply also carries each frame's 40 ms of PCM
     # live sessions
     session: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]] = None
     fps: Optional[Annotated[float, msgspec.Meta(gt=0, le=60)]] = None

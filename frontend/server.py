@@ -24,6 +24,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from config import Config, resolve_path
 from config.assets import frame_index
+from config.audio import frame_audio
 from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset
 from config.keys import load_public, make_server, start_authenticator
 from frontend import control
@@ -35,7 +36,8 @@ from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, Relea
 from frontend.live import Live
 from frontend.metrics import Metrics
 from frontend.state import Client, Tenant
-from frontend.validate import RequestError, Tensors, check_message, check_request, check_tensors, parse_header
+from frontend.validate import (RequestError, Tensors, check_message, check_pcm, check_request, check_tensors,
+                               parse_header)
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
@@ -62,6 +64,7 @@ class Call:
     spec: Optional[ModelSpec] = None
     tensors: Optional[Tensors] = None
     frames: list[int] = field(default_factory=list)
+    pcm: Optional[bytes] = None        # return_audio: the PCM sent, sliced per frame into the reply
     # Live sessions' speech: each frame's (session, frame index); its frames are held, not replied.
     targets: Optional[list[tuple[str, int]]] = None
 
@@ -298,9 +301,16 @@ class Frontend:
             if header.model is not None and kind is not Kind.STATS:
                 call.spec = self._spec(header)
             if kind in (Kind.INFER, Kind.COMPOSITE):
-                call.tensors = check_tensors(header, payload, call.spec.audio_shape)
+                if header.audio_format == "pcm16":
+                    call.tensors = check_pcm(header, payload, call.spec.audio_shape, call.spec.encoder,
+                                             self.config.limits.max_batch)
+                else:
+                    call.tensors = check_tensors(header, payload, call.spec.audio_shape)
+                batch = call.tensors.batch
+                if header.return_audio:
+                    call.pcm = bytes(call.tensors.audio)
                 call.frames = [frame_index(header.start_frame + i, call.spec.frames, call.spec.order)
-                               for i in range(header.batch)] if kind is Kind.COMPOSITE else list(range(header.batch))
+                               for i in range(batch)] if kind is Kind.COMPOSITE else list(range(batch))
             if kind is Kind.UNLOAD:
                 self.catalog.forget(header.model)
         except RequestError as err:
@@ -308,7 +318,8 @@ class Frontend:
             self._error(call.client, header.id, err.code, err.message)
             return
         now = time.monotonic()
-        request = Request(kind, call.spec.id if call.spec else header.model, header.batch or 0,
+        batch = call.tensors.batch if call.tensors is not None else 0
+        request = Request(kind, call.spec.id if call.spec else header.model, batch,
                           deadline=now + self._timeout_s(header), conn=call.client.conn, data=call)
         self.apply(self.engine.submit(request, now))
 
@@ -388,11 +399,16 @@ class Frontend:
             ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(t.visual, "<f4").reshape(shape)
             visual_ref = ring.ref(slot, 0, "float32", shape)
             offset = audio_offset(batch * VISUAL_BYTES)
-        a_shape = (batch, *call.spec.audio_shape)
-        audio = np.frombuffer(t.audio, "<f4")
-        ring.writable(slot, offset, "float32", a_shape)[...] = audio.reshape(a_shape if t.audio_per_frame
-                                                                             else call.spec.audio_shape)
-        audio_ref = ring.ref(slot, offset, "float32", a_shape)
+        if t.pcm:   # the worker derives each frame's window from the samples (config/audio.py)
+            samples = np.frombuffer(t.audio, "<i2")
+            ring.writable(slot, offset, "int16", samples.shape)[...] = samples
+            audio_ref = ring.ref(slot, offset, "int16", samples.shape)
+        else:
+            a_shape = (batch, *call.spec.audio_shape)
+            audio = np.frombuffer(t.audio, "<f4")
+            ring.writable(slot, offset, "float32", a_shape)[...] = audio.reshape(a_shape if t.audio_per_frame
+                                                                                 else call.spec.audio_shape)
+            audio_ref = ring.ref(slot, offset, "float32", a_shape)
         call.tensors = None   # the client's frames are no longer needed
         header = call.header
         self.to_gpu[action.worker].send(encode(InferTask(
@@ -539,7 +555,7 @@ class Frontend:
             return None, None
         self.metrics.frames.labels(r.data.label).inc(r.batch)
         return P.encode(P.InferReply(id=r.data.header.id, batch=r.batch, timing=self._timing(r),
-                                     worker=self._worker_info(r))), data
+                                     worker=self._worker_info(r))), data + self._audio_out(r.data, r.batch)
 
     def _composite_reply(self, r: Request):
         call = r.data
@@ -548,7 +564,12 @@ class Frontend:
             id=call.header.id, batch=r.batch, format=call.header.format or self.config.output.format,
             width=width, height=height, frames=call.frames, timing=self._timing(r), worker=self._worker_info(r)))
         self.metrics.frames.labels(call.label).inc(r.batch)
-        return header, [img for start in sorted(r.images) for img in r.images[start]]
+        return header, [img for start in sorted(r.images) for img in r.images[start]] + self._audio_out(call, r.batch)
+
+    @staticmethod
+    def _audio_out(call: Call, batch: int) -> list:
+        """return_audio: each frame's 40 ms of the PCM sent, after the frames."""
+        return frame_audio(call.pcm, batch) if call.pcm is not None else []
 
     # -- internal messages ------------------------------------------------------------------
 

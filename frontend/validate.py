@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import msgspec
 
+from config.audio import AUDIO_SHAPE, frame_count
 from config.geometry import VISUAL_BYTES
 
 MAX_FRAMES = 3          # header + visual + audio, the most any op takes
@@ -93,6 +94,8 @@ class Tensors:
     visual: Optional[memoryview]       # None: audio-only composite
     audio: memoryview
     audio_per_frame: bool              # [batch, *A] (True) or one window [*A] for every frame
+    batch: int = 0                     # frames (for pcm16: what the utterance yields)
+    pcm: bool = False                  # audio is 16 kHz int16 PCM: the worker derives each frame's window
 
 
 def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
@@ -101,9 +104,9 @@ def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
     if header.op in MODEL_OPS and header.model is None:
         raise _bad(f"header.model: required for op {header.op.value}", rid)
     if header.op in TENSOR_OPS:
-        if header.batch is None:
+        if header.batch is None and header.audio_format != "pcm16":
             raise _bad(f"header.batch: required for op {header.op.value} (1..{max_batch})", rid)
-        if header.batch > max_batch:
+        if header.batch is not None and header.batch > max_batch:
             raise _bad(f"header.batch: {header.batch} is more than limits.max_batch ({max_batch}); "
                        "split the request", rid)
         allowed = (2,) if header.op is Op.INFER else (1, 2)
@@ -118,8 +121,41 @@ def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
             raise _bad(f"payload: {len(payload)} frames after the header; op session_audio takes 1 (audio)", rid)
     elif payload:
         raise _bad(f"payload: op {header.op.value} takes no frames after the header, got {len(payload)}", rid)
+    if header.return_audio and header.audio_format != "pcm16":
+        raise _bad("header.return_audio: only with audio_format pcm16 (the audio returned is the PCM sent)", rid)
     if header.quality is not None and header.format not in (None, "jpeg"):
         raise _bad("header.quality: only applies to format jpeg", rid)
+
+
+def check_pcm(header: RequestHeader, payload: list, audio_shape: tuple[int, ...], has_encoder: bool,
+              max_batch: int) -> Tensors:
+    """pcm16: one utterance of 16 kHz int16 PCM; the batch is the frames it yields (config/audio.py)."""
+    rid, model = header.id, header.model
+    if tuple(audio_shape) != AUDIO_SHAPE:
+        raise _bad(f"header.audio_format: model {model} takes {list(audio_shape)} feature windows (hubert or wenet), "
+                   "whose extractors are not served: send float32 windows", rid)
+    if not has_encoder:
+        raise _bad(f"header.audio_format: model {model} has no audio encoder for PCM: put audio_encoder.onnx in its "
+                   "directory or set audio.encoder", rid)
+    audio = payload[-1]
+    if len(audio) % 2:
+        raise _bad(f"payload[{len(payload) - 1}] (audio): {len(audio)} bytes; pcm16 is 2 bytes per sample", rid)
+    samples = len(audio) // 2
+    frames = frame_count(samples)
+    if not frames:
+        raise _bad(f"payload[{len(payload) - 1}] (audio): {samples} samples; an utterance needs at least "
+                   f"{(16 - 1) * 200} (0.19 s at 16 kHz)", rid)
+    if header.batch is not None and header.batch != frames:
+        raise _bad(f"header.batch: {header.batch}, but {samples} samples of PCM give {frames} frames; set batch to "
+                   f"{frames} or leave it out", rid)
+    if frames > max_batch:
+        raise _bad(f"payload[{len(payload) - 1}] (audio): {samples} samples give {frames} frames, more than "
+                   f"limits.max_batch ({max_batch}); split the utterance (a live session takes any length)", rid)
+    visual = payload[0] if len(payload) == 2 else None
+    if visual is not None and len(visual) != frames * VISUAL_BYTES:
+        raise _bad(f"payload[0] (visual): {len(visual)} bytes; expected float32 [{frames}, 6, 320, 320] = "
+                   f"{frames * VISUAL_BYTES} bytes for the {frames} frames this PCM gives", rid)
+    return Tensors(memoryview(visual) if visual is not None else None, memoryview(audio), True, frames, True)
 
 
 def check_tensors(header: RequestHeader, payload: list, audio_shape: tuple[int, ...]) -> Tensors:
@@ -139,7 +175,7 @@ def check_tensors(header: RequestHeader, payload: list, audio_shape: tuple[int, 
     else:
         raise _bad(f"payload[{len(payload) - 1}] (audio): {len(audio)} bytes; model {header.model} expects float32 "
                    f"[{batch}, {shape}] = {batch * window} bytes, or one window [{shape}] = {window} bytes", rid)
-    return Tensors(memoryview(visual) if visual is not None else None, memoryview(audio), per_frame)
+    return Tensors(memoryview(visual) if visual is not None else None, memoryview(audio), per_frame, batch)
 
 
 def _prod(values: Any) -> int:

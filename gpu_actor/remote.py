@@ -127,9 +127,9 @@ class RemoteWorker:
                 return
             budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
             frames = [encode(RemoteInfer(
-                req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]),
+                req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
                 visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
-                version=msg.version))]
+                version=msg.version, pcm=msg.audio.dtype == "int16"))]
             if msg.visual is not None:
                 frames.append(self.inputs.read(msg.visual))
             frames.append(self.inputs.read(msg.audio))

@@ -19,9 +19,10 @@ import numpy as np
 import zmq
 
 from config import Config
+from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
 from gpu_actor.registry import Registry
-from gpu_actor.runner import check_device
+from gpu_actor.runner import check_device, make_session
 from gpu_actor.visual import build_visual
 from shm.child import child_main
 from shm.codes import ErrorCode
@@ -61,6 +62,7 @@ class InferenceWorker:
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
+        self._encoders: dict[Path, tuple] = {}   # audio encoder file -> (session, input name)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, 6, 320, 320), np.float32)  # audio-only inputs are built here
         self._stopping = False
@@ -209,8 +211,12 @@ class InferenceWorker:
             out = self.outputs.writable(slot, 0, "float32", (task.batch, 3, 320, 320))
             t_input = time.perf_counter()
             visual = self._visual_input(task)
-            audio = self.inputs.read(task.audio)
+            t_audio = time.perf_counter()
+            audio = self._audio_input(task)
             t0 = time.perf_counter()
+            # input_ms: building what the client did not send (visual input from the avatar, windows from PCM)
+            built = (t_audio - t_input if task.visual is None else 0.0) + (t0 - t_audio if audio.dtype == np.float32
+                                                                           and task.audio.dtype == "int16" else 0.0)
             self.registry.loaded[task.model].runner.run(visual, audio, out)
             inference_ms = (time.perf_counter() - t0) * 1000
             for ref in (task.audio, task.visual):
@@ -234,13 +240,39 @@ class InferenceWorker:
         self.registry.stat(task.model).infer_ms.append(inference_ms)
         ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
         self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms,
-                   input_ms=(t0 - t_input) * 1000 if task.visual is None else 0.0)
+                   input_ms=built * 1000)
         hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:
         """While every output slot is taken, keep handling messages: a ReleaseTask frees one."""
         if self.tasks.poll(int(remaining_s * 1000) + 1):
             self._handle(decode(self.tasks.recv()))
+
+    def _audio_input(self, task: InferTask) -> np.ndarray:
+        """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
+        audio = self.inputs.read(task.audio)
+        if audio.dtype != np.int16:
+            return audio
+        encoder, name = self._encoder(task.model)
+        inputs = A.encoder_inputs(A.melspectrogram(audio.astype(np.float32) / 32768.0))
+        windows = A.frame_windows(encoder.run(None, {name: inputs})[0])
+        if len(windows) != task.batch:
+            raise AssetError(f"model {task.model}: the PCM gives {len(windows)} frames, the request has {task.batch}")
+        return windows
+
+    def _encoder(self, model: str):
+        """The model's audio encoder session, loaded once per file and shared by the models that use it."""
+        paths = model_paths(self.config, model)
+        path = paths.audio_encoder if paths is not None else None
+        if path is None:
+            raise AssetError(f"model {model} has no audio encoder: put audio_encoder.onnx in its directory or set "
+                             "audio.encoder")
+        found = self._encoders.get(path)
+        if found is None:
+            inf = self.config.inference
+            session = make_session(path, self.device, inf.intra_op_threads, spin=inf.spin_threads)
+            found = self._encoders[path] = (session, session.get_inputs()[0].name)
+        return found
 
     def _visual_input(self, task: InferTask) -> np.ndarray:
         if task.visual is not None:

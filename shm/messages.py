@@ -41,7 +41,7 @@ class InferTask(_Msg):
     req: int
     model: str
     batch: int
-    audio: TensorRef                 # [batch, *A] float32
+    audio: TensorRef                 # [batch, *A] float32; or [n] int16: one utterance of 16 kHz PCM
     visual: Optional[TensorRef]      # [batch, 6, 320, 320] float32; None: build it from the avatar
     frames: list[int]                # background index of each frame
     plan: list[Chunk]                # empty: an `infer` request (mouths go back to the frontend)
@@ -92,6 +92,7 @@ class RemoteInfer(_Msg):
     composite: bool                     # mouths go back as uint8 (what compositing truncates to anyway)
     budget_ms: Annotated[float, msgspec.Meta(ge=0)]
     version: int = 0
+    pcm: bool = False                   # the audio frame is 16 kHz int16 PCM (audio_shape is then ignored)
 
 
 # -- inference worker -> compositing process -----------------------------------------------

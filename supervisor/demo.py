@@ -20,7 +20,7 @@ from config import Config, resolve_path
 
 WIDTH, HEIGHT = 1280, 720
 MODEL_ID = "demo"
-_VERSION = 1
+_VERSION = 2   # 2: the demo model has an audio encoder (PCM input)
 
 
 def demo_root(config: Config) -> Path:
@@ -75,7 +75,7 @@ def build_demo(config: Config) -> Path:
     marker = root / "complete"
     if marker.exists():
         return root
-    from gpu_actor.model_builder import write_model
+    from gpu_actor.model_builder import write_audio_encoder, write_model
 
     d = config.demo
     model_dir = root / MODEL_ID
@@ -95,6 +95,7 @@ def build_demo(config: Config) -> Path:
     (model_dir / "crop_rects.json").write_text(json.dumps({str(i): {"rect": r} for i, r in enumerate(rects)}))
     _progress("unet_328 model   ", 0, 1)
     write_model(model_dir / "model.onnx", kind="unet328", audio="ave", seed=d.seed)
+    write_audio_encoder(model_dir / "audio_encoder.onnx", seed=d.seed)   # 16 kHz PCM input works too
     _progress("unet_328 model   ", 1, 1)
     marker.write_text("ok\n")
     return root

@@ -80,3 +80,63 @@ def test_the_random_weight_audio_encoder_has_synctalks_shapes(tmp_path):
     mel = A.encoder_inputs(A.melspectrogram(speech_like(1.0)))
     features = session.run(None, {inp.name: mel})[0]
     assert features.shape == (len(mel), 512) and np.isfinite(features).all()
+
+
+# -- 16 kHz PCM through a real server ----------------------------------------------------------------
+
+def _pcm(wav: np.ndarray) -> bytes:
+    return np.clip(np.round(wav * 32767), -32768, 32767).astype("<i2").tobytes()
+
+
+@pytest.fixture(scope="module")
+def pcm_server(tmp_path_factory):
+    from tests.helpers import base_config, make_avatar, run_server
+    root = tmp_path_factory.mktemp("models")
+    write_audio_encoder(make_avatar(root, "a", n_frames=6) / "audio_encoder.onnx", seed=1)
+    make_avatar(root, "plain", n_frames=3)
+    write_audio_encoder(make_avatar(root, "h", n_frames=3, audio="hubert") / "audio_encoder.onnx")
+    with run_server(tmp_path_factory.mktemp("srv"), base_config(root, **{"limits.max_batch": 32})) as srv:
+        srv.models_dir = root
+        yield srv
+
+
+def test_pcm_composite_equals_the_windows_computed_offline(pcm_server):
+    from tests.helpers import decode_image
+    pcm = _pcm(speech_like(1.0, seed=4))
+    samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+    encoder = ort.InferenceSession(str(pcm_server.models_dir / "a" / "audio_encoder.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    inputs = A.encoder_inputs(A.melspectrogram(samples))
+    windows = A.frame_windows(encoder.run(None, {"mel": inputs})[0])
+    with pcm_server.client() as c:
+        header, images = c.request("composite", [pcm], model="a", audio_format="pcm16", format="png",
+                                   return_audio=True)
+        n = header["batch"]
+        assert n == len(windows) == A.frame_count(len(samples)) == len(images) // 2
+        _, want = c.composite("a", windows, format="png")
+    for got, expected in zip(images[:n], want):
+        np.testing.assert_array_equal(decode_image(got, "png", {}), decode_image(expected, "png", {}))
+    for i, piece in enumerate(images[n:]):   # each frame's 40 ms of the PCM sent, zeros past its end
+        want_piece = pcm[i * 1280:(i + 1) * 1280]
+        assert bytes(piece) == want_piece + bytes(1280 - len(want_piece))
+
+
+@pytest.mark.parametrize("model, fields, hint", [
+    ("a", {"batch": 5}, "16000 samples of PCM give 24 frames; set batch to 24"),
+    ("h", {}, "hubert or wenet"),
+    ("plain", {}, "no audio encoder"),
+    ("a", {"return_audio": True, "audio_format": "float32", "batch": 1}, "only with audio_format pcm16"),
+])
+def test_pcm_requests_that_cannot_be_served_are_bad_requests(pcm_server, model, fields, hint):
+    from frontend.client import ServerError
+    pcm = _pcm(speech_like(1.0, seed=4))
+    with pcm_server.client() as c, pytest.raises(ServerError) as err:
+        c.request("composite", [pcm], model=model, **{"audio_format": "pcm16", **fields})
+    assert err.value.code == "bad_request" and hint in err.value.message, err.value.message
+
+
+def test_pcm_longer_than_a_batch_is_refused_with_the_limit(pcm_server):
+    from frontend.client import ServerError
+    with pcm_server.client() as c, pytest.raises(ServerError) as err:
+        c.request("composite", [_pcm(speech_like(2.0))], model="a", audio_format="pcm16")
+    assert err.value.code == "bad_request" and "limits.max_batch (32)" in err.value.message
