@@ -65,6 +65,7 @@ def mel_filters(sr: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int = N_MELS,
 
 
 _FILTERS = mel_filters()
+_FILTERS_64 = _FILTERS.astype(np.float64)
 _WINDOW = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT))   # periodic hann, scipy's fftbins=True
 
 
@@ -91,8 +92,10 @@ def stft_magnitude(y: np.ndarray) -> np.ndarray:
 
 
 def normalize(magnitude: np.ndarray) -> np.ndarray:
-    """[n, 401] |STFT| -> [n, 80] normalised log-mel rows."""
-    mel = magnitude @ _FILTERS.T.astype(np.float64)
+    """[n, 401] |STFT| -> [n, 80] normalised log-mel rows.
+    NOTE: einsum's plain loop, not a BLAS matmul: each row's result must not depend on how many rows are
+    computed together, so that a stream computed chunk by chunk equals the whole utterance exactly."""
+    mel = np.einsum("nk,mk->nm", magnitude, _FILTERS_64, optimize=False)
     db = 20 * np.log10(np.maximum(1e-5, mel)) - 20
     return np.clip(8 * (db + 100) / 100 - 4, -4, 4).astype(np.float32)
 
@@ -144,3 +147,98 @@ def frame_audio(pcm: bytes, frames: int, first: int = 0) -> list[bytes]:
         piece = pcm[i * SAMPLES_PER_FRAME * 2: (i + 1) * SAMPLES_PER_FRAME * 2]
         out.append(piece + bytes(SAMPLES_PER_FRAME * 2 - len(piece)))
     return out
+
+
+class PcmStream:
+    """One utterance of 16 kHz PCM arriving in chunks: its encoder inputs and each frame's feature rows,
+    exactly as the whole-utterance computation gives them, as soon as what they depend on has arrived.
+
+    Mel row r covers samples r*200-400 .. r*200+399 (centred, zero padded): it is final once those have
+    arrived. Encoder input j (rows int(80j/25) .. +15) is final once its rows are, and is then the same
+    at the utterance's end (the end only moves back inputs that would run past the last row). Frame i
+    takes encoder outputs i-9 .. i+6, so while the utterance goes on frame i can be inferred once
+    encoder input i+6 is final; at the end (`last`) every frame can. Look-ahead: frame i needs samples up
+    to 640 * (i + 6) + 3400, that is 7,240 samples (453 ms) past its own start.
+    """
+
+    def __init__(self) -> None:
+        self._x = np.zeros(0, np.float64)       # pre-emphasised samples so far
+        self._previous = 0.0                    # the last raw sample (pre-emphasis continues across chunks)
+        self._mel: list[np.ndarray] = []        # final mel rows
+        self.ended = False
+
+    @property
+    def samples(self) -> int:
+        return len(self._x)
+
+    def push(self, samples: np.ndarray, last: bool = False) -> None:
+        if self.ended:
+            raise ValueError("the utterance has ended (last: true); start a new one")
+        samples = np.asarray(samples, np.float64)
+        if len(samples):
+            self._x = np.concatenate([self._x, preemphasis(samples, self._previous)])
+            self._previous = float(samples[-1])
+        self.ended = last
+        self._compute_rows()
+
+    def _compute_rows(self) -> None:
+        n = len(self._x)
+        total = 1 + n // HOP if self.ended else max(0, (n - N_FFT // 2) // HOP + 1)
+        first = len(self._mel)
+        if total <= first:
+            return
+        padded = np.pad(self._x[max(first * HOP - N_FFT // 2, 0):], (max(N_FFT // 2 - first * HOP, 0), N_FFT // 2))
+        frames = np.lib.stride_tricks.as_strided(padded, (total - first, N_FFT),
+                                                 (padded.strides[0] * HOP, padded.strides[0]))
+        self._mel += list(normalize(np.abs(np.fft.rfft(frames * _WINDOW, axis=1))))
+
+    def encoder_count(self) -> int:
+        """Encoder inputs final so far (at the end: all L)."""
+        m = len(self._mel)
+        if self.ended:
+            return int((m - MEL_WINDOW) / MEL_PER_S * FPS) + 2 if m >= MEL_WINDOW else 0
+        j = 0
+        while int(MEL_PER_S * (j / FPS)) + MEL_WINDOW <= m:
+            j += 1
+        return j
+
+    def encoder_input(self, j: int) -> np.ndarray:
+        """Encoder input j, [1, 80, 16]."""
+        m = len(self._mel)
+        start = int(MEL_PER_S * (j / FPS))
+        if start + MEL_WINDOW > m:
+            if not self.ended:
+                raise ValueError(f"encoder input {j} is not final yet")
+            start = m - MEL_WINDOW
+        return np.stack(self._mel[start:start + MEL_WINDOW]).T[None].astype(np.float32)
+
+    def frame_count(self) -> int:
+        """Frames whose windows are final so far (at the end: all L + 2)."""
+        count = self.encoder_count()
+        if self.ended:
+            return count + 2 if count else 0
+        return max(0, count - 7)
+
+    def frame_rows(self, i: int) -> list[int]:
+        """Frame i's 16 window rows as encoder output indices (-1: a row of zeros)."""
+        count = self.encoder_count()
+        padded_len = count + 2 if self.ended else None
+        rows = []
+        for r in range(i - 8, i + 8):
+            if r < 0 or (padded_len is not None and r >= padded_len):
+                rows.append(-1)
+            elif r == 0:
+                rows.append(0)
+            elif padded_len is not None and r == padded_len - 1:
+                rows.append(count - 1)
+            else:
+                rows.append(r - 1)
+        return rows
+
+
+def windows_from_rows(features: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Frame windows [n, 32, 16, 16] from encoder outputs [J, 512] and each frame's row indices [n, 16]
+    (into `features`; -1 for zeros)."""
+    rows = np.asarray(rows)
+    out = np.where((rows >= 0)[..., None], features[np.clip(rows, 0, None)], np.float32(0))
+    return out.astype(np.float32).reshape(len(rows), *AUDIO_SHAPE)

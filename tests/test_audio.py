@@ -140,3 +140,27 @@ def test_pcm_longer_than_a_batch_is_refused_with_the_limit(pcm_server):
     with pcm_server.client() as c, pytest.raises(ServerError) as err:
         c.request("composite", [_pcm(speech_like(2.0))], model="a", audio_format="pcm16")
     assert err.value.code == "bad_request" and "limits.max_batch (32)" in err.value.message
+
+
+def test_pcm_in_20_ms_chunks_gives_the_whole_utterances_inputs_and_windows():
+    wav = speech_like(1.3, seed=6)
+    mel = A.melspectrogram(wav)
+    inputs = A.encoder_inputs(mel)
+    features = np.random.default_rng(7).standard_normal((len(inputs), 512)).astype(np.float32)
+    whole = A.frame_windows(features)
+    stream, seen_frames, seen_inputs = A.PcmStream(), 0, 0
+    chunks = [wav[k:k + 320] for k in range(0, len(wav), 320)]
+    for n, chunk in enumerate(chunks):
+        stream.push(chunk, last=n == len(chunks) - 1)
+        for j in range(seen_inputs, stream.encoder_count()):   # final as soon as they are counted
+            np.testing.assert_array_equal(stream.encoder_input(j), inputs[j])
+        seen_inputs = stream.encoder_count()
+        ready = stream.frame_count()
+        assert ready >= seen_frames
+        if ready > seen_frames and not stream.ended:   # the look-ahead the docs state: 7,240 samples
+            assert stream.samples >= 640 * (ready - 1) + 7240 - 320
+        for i in range(seen_frames, ready):
+            rows = np.array([stream.frame_rows(i)])
+            np.testing.assert_array_equal(A.windows_from_rows(features, rows)[0], whole[i])
+        seen_frames = ready
+    assert seen_frames == len(whole) and seen_inputs == len(inputs)
