@@ -155,7 +155,14 @@ class BridgeServer:
         if len(msg.frames) != msg.batch:
             raise BridgeError(f"{len(msg.frames)} frame indices for a batch of {msg.batch}")
         got = [len(f.buffer) for f in data]
-        if msg.pcm:
+        if msg.rows is not None:   # a pcm16 session's encoder inputs [J, 1, 80, 16] and each frame's rows
+            inputs = len(data[-1].buffer) // (80 * 16 * 4) if data else 0
+            flat = [r for row in msg.rows for r in row]
+            if (len(msg.rows) != msg.batch or any(len(row) != 16 for row in msg.rows) or not inputs
+                    or min(flat) < -1 or max(flat) >= inputs):
+                raise BridgeError(f"window rows for {len(msg.rows)} frames do not fit {inputs} encoder inputs")
+            want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [inputs * 80 * 16 * 4]
+        elif msg.pcm:
             samples = len(data[-1].buffer) // 2 if data else 0
             if frame_count(samples) != msg.batch or len(data[-1].buffer) % 2:
                 raise BridgeError(f"{len(data[-1].buffer) if data else 0} bytes of PCM do not give {msg.batch} frames")
@@ -235,7 +242,11 @@ class BridgeServer:
             ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(call.tensors[0], "<f4").reshape(shape)
             visual = ring.ref(slot, 0, "float32", shape)
             offset = audio_offset(task.batch * VISUAL_BYTES)
-        if task.pcm:
+        if task.rows is not None:
+            inputs = np.frombuffer(call.tensors[-1], "<f4").reshape(-1, 1, 80, 16)
+            ring.writable(slot, offset, "float32", inputs.shape)[...] = inputs
+            audio = ring.ref(slot, offset, "float32", inputs.shape)
+        elif task.pcm:
             samples = np.frombuffer(call.tensors[-1], "<i2")
             ring.writable(slot, offset, "int16", samples.shape)[...] = samples
             audio = ring.ref(slot, offset, "int16", samples.shape)
@@ -246,7 +257,7 @@ class BridgeServer:
         call.tensors = None
         self.to_gpu[action.worker].send(encode(InferTask(
             req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],
-            deadline=r.deadline, enqueued=time.monotonic(), version=task.version)))
+            deadline=r.deadline, enqueued=time.monotonic(), version=task.version, rows=task.rows)))
 
     def _reply(self, r: Request) -> None:
         call = r.data

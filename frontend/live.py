@@ -24,6 +24,7 @@ import zmq
 from frontend import protocol as P
 from frontend.backlog import Backlogs
 from frontend.engine import Kind, Request
+from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME
 from frontend.sessions import WINDOW_ROWS, Session, SessionTable
 from frontend.validate import RequestError, Tensors
 from shm.codes import ErrorCode
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
 RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
+SILENCE = bytes(2 * SAMPLES_PER_FRAME)
 BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
 
@@ -89,7 +91,8 @@ class Live:
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = float("inf")
         self._pending: dict[tuple, list] = {}          # (model, version, -, format, quality) -> speech frames
-        self._flush_timers: dict[tuple, asyncio.TimerHandle] = {}
+        self._flush_timers: dict = {}                  # batch key or session token -> its flush timer
+        self._pcm_pending: dict[str, list] = {}        # pcm16 session -> frames ready for inference
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -109,6 +112,7 @@ class Live:
         if op is P.Op.SESSION_AUDIO:
             return self._audio(session, call, payload[0])
         if op is P.Op.SESSION_INTERRUPT:
+            self._pcm_pending.pop(session.token, None)
             dropped = session.interrupt()
             return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped))
         if op is P.Op.SESSION_CLOSE:
@@ -122,6 +126,10 @@ class Live:
                                "retry later or on another server", header.id)
         elements = int(np.prod(spec.audio_shape))
         mode = header.audio or "window"
+        if mode == "pcm16" and (tuple(spec.audio_shape) != AUDIO_SHAPE or not spec.encoder):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.audio: model {spec.id} cannot take PCM: "
+                               + ("it has no audio encoder (audio_encoder.onnx in its directory, or audio.encoder)"
+                                  if spec.encoder else f"it takes {list(spec.audio_shape)} feature windows"), header.id)
         if mode == "features" and elements % WINDOW_ROWS:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.audio: model {spec.id}'s audio window "
                                f"{list(spec.audio_shape)} is not 16 feature vectors; use audio: window", header.id)
@@ -146,6 +154,8 @@ class Live:
     def _audio(self, session: Session, call: Call, audio) -> bytes:
         spec = session.data.spec
         header = call.header
+        if session.audio_mode == "pcm16":
+            return self._pcm(session, call, audio)
         per_frame = int(np.prod(spec.audio_shape)) if session.audio_mode == "window" else session.feature_shape[1]
         shape = list(spec.audio_shape) if session.audio_mode == "window" else [per_frame]
         n, rest = divmod(len(audio), 4 * per_frame)
@@ -171,6 +181,66 @@ class Live:
         for frames, windows in work:
             self._infer(session, frames, windows)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n))
+
+    def _pcm(self, session: Session, call: Call, audio) -> bytes:
+        header = call.header
+        limit = self.cfg.max_chunk_frames * SAMPLES_PER_FRAME
+        if len(audio) % 2 or len(audio) // 2 > limit:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {len(audio)} bytes; expected 16 kHz int16 "
+                               f"PCM, at most {limit} samples (sessions.max_chunk_frames)", header.id)
+        now = time.monotonic()
+        ahead = (session.speech_end - session.now_index(now)) / session.fps
+        if ahead > self.cfg.max_ahead_s:
+            raise RequestError(ErrorCode.OVERLOADED, f"this session's speech reaches {ahead:.1f} s ahead of its "
+                               f"stream (sessions.max_ahead_s); send audio in real time", header.id)
+        first, frames, ready = session.pcm(bytes(audio), header.last, now)
+        pending = self._pcm_pending.setdefault(session.token, [])
+        pending += ready
+        step = self.fe.config.limits.max_batch
+        while len(pending) >= step:
+            self._infer_pcm(session, pending[:step])
+            del pending[:step]
+        if pending and (header.last or session.token not in self._flush_timers):
+            if header.last:
+                self._flush_pcm(session.token)
+            else:
+                wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
+                self._flush_timers[session.token] = asyncio.get_running_loop().call_later(
+                    wait, self._flush_pcm, session.token)
+        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames))
+
+    def _flush_pcm(self, token: str) -> None:
+        timer = self._flush_timers.pop(token, None)
+        if timer is not None:
+            timer.cancel()
+        pending = self._pcm_pending.pop(token, [])
+        session = self.table.get(token)
+        if pending and session is not None:
+            self._infer_pcm(session, pending)
+
+    def _infer_pcm(self, session: Session, items: list) -> None:
+        """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
+        worker runs the encoder on the encoder inputs these frames need and builds each frame's window
+        from its rows (-1: zeros)."""
+        for stream in dict.fromkeys(s for s, _, _ in items):   # one request per utterance
+            part = [(k, rows) for s, k, rows in items if s is stream]
+            rows = np.array([r for _, r in part])
+            used = rows[rows >= 0]
+            a, b = int(used.min()), int(used.max())
+            inputs = np.stack([stream.encoder_input(j) for j in range(a, b + 1)])
+            self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1))
+
+    def _submit_pcm(self, session: Session, frames: list[int], inputs: np.ndarray, rows: np.ndarray) -> None:
+        from frontend.server import Call
+        opened: Call = session.data
+        header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(frames),
+                                 format=opened.header.format, quality=opened.header.quality)
+        call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
+                    tensors=Tensors(None, memoryview(np.ascontiguousarray(inputs, "<f4").tobytes()), True, len(frames)),
+                    frames=[session.background(k) for k in frames], targets=[(session.token, k) for k in frames],
+                    rows=rows.tolist())
+        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]), data=call)
+        self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _infer(self, session: Session, frames: list[int], windows: np.ndarray) -> None:
         """Queue speech frames for inference. Frames of every session on the same model (and output
@@ -209,6 +279,10 @@ class Live:
         self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _close(self, session: Session) -> None:
+        self._pcm_pending.pop(session.token, None)
+        timer = self._flush_timers.pop(session.token, None)
+        if timer is not None:
+            timer.cancel()
         if session.pinned_worker is not None:
             self.fe.apply(self.fe.engine.unpin(session.pinned_worker, session.model))
         self.table.pop(session.token)
@@ -340,7 +414,10 @@ class Live:
             return
         header = P.encode(P.FrameEvent(session=session.token, index=frame.index, pts_ms=frame.index * 1000 / session.fps,
                                        kind=frame.kind, frame=frame.background))
-        if not self.fe._send(session.data.client, header, [image], also=entry):
+        data = [image]
+        if session.audio_mode == "pcm16":   # every frame carries its 40 ms of audio: silence when idle
+            data.append(frame.audio if frame.audio is not None else SILENCE)
+        if not self.fe._send(session.data.client, header, data, also=entry):
             session.stats.dropped += 1
             metrics.session_frames.labels("dropped").inc()
             return

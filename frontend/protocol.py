@@ -56,7 +56,7 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     # live sessions
     session: Optional[Annotated[str, msgspec.Meta(min_length=1, max_length=64)]] = None
     fps: Optional[Annotated[float, msgspec.Meta(gt=0, le=60)]] = None
-    audio: Optional[Literal["window", "features"]] = None
+    audio: Optional[Literal["window", "features", "pcm16"]] = None
     last: bool = False
 
 

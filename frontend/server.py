@@ -65,6 +65,7 @@ class Call:
     tensors: Optional[Tensors] = None
     frames: list[int] = field(default_factory=list)
     pcm: Optional[bytes] = None        # return_audio: the PCM sent, sliced per frame into the reply
+    rows: Optional[list] = None        # pcm16 sessions: tensors are encoder inputs; each frame's window rows
     # Live sessions' speech: each frame's (session, frame index); its frames are held, not replied.
     targets: Optional[list[tuple[str, int]]] = None
 
@@ -399,7 +400,11 @@ class Frontend:
             ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(t.visual, "<f4").reshape(shape)
             visual_ref = ring.ref(slot, 0, "float32", shape)
             offset = audio_offset(batch * VISUAL_BYTES)
-        if t.pcm:   # the worker derives each frame's window from the samples (config/audio.py)
+        if call.rows is not None:   # encoder inputs [J, 1, 80, 16]; the worker builds windows from call.rows
+            inputs = np.frombuffer(t.audio, "<f4").reshape(-1, 1, 80, 16)
+            ring.writable(slot, offset, "float32", inputs.shape)[...] = inputs
+            audio_ref = ring.ref(slot, offset, "float32", inputs.shape)
+        elif t.pcm:   # the worker derives each frame's window from the samples (config/audio.py)
             samples = np.frombuffer(t.audio, "<i2")
             ring.writable(slot, offset, "int16", samples.shape)[...] = samples
             audio_ref = ring.ref(slot, offset, "int16", samples.shape)
@@ -415,7 +420,7 @@ class Frontend:
             req=r.req, model=call.spec.id, batch=batch, audio=audio_ref, visual=visual_ref, frames=call.frames,
             plan=action.plan, format=header.format or self.config.output.format,
             quality=header.quality or self.config.output.quality, deadline=r.deadline, enqueued=call.t0,
-            version=call.spec.version)))
+            version=call.spec.version, rows=call.rows)))
 
     def _arm_timer(self) -> None:
         when = self.engine.next_deadline()

@@ -24,9 +24,11 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from config.assets import frame_index
+from config.audio import SAMPLES_PER_FRAME, PcmStream, frame_audio
 
 WINDOW_ROWS = 16          # get_audio_features: rows j-8 .. j+7
 LOOKAHEAD = 7
+PCM_LOOKAHEAD_FRAMES = 12  # pcm16: frame i's window needs 7,240 samples past its start (config/audio.PcmStream)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Outgoing:
     image: Any = None         # speech: the encoded frame; idle: None (the shell takes it from its cache)
     due: float = 0.0
     received: Optional[float] = None   # speech: when its audio arrived (for latency)
+    audio: Optional[bytes] = None      # pcm16 sessions: the frame's 40 ms of PCM
     missed: bool = False               # idle where speech was placed (late, or its inference failed)
 
 
@@ -64,6 +67,7 @@ class Speech:
     received: float
     image: Any = None
     failed: bool = False
+    audio: Optional[bytes] = None
 
 
 class Session:
@@ -84,6 +88,10 @@ class Session:
         self._row_frame: list[int] = []      # ... and the frame each one drives
         self._row_received: list[float] = []
         self._inferred_rows = 0              # rows whose frame was handed out for inference
+        self._stream: Optional[PcmStream] = None   # pcm16: the utterance being received
+        self._utterance_start = 0            # ... its frame 0 on the timeline
+        self._utterance_pcm = bytearray()    # ... its samples, for each frame's audio out
+        self._utterance_done = 0             # ... its frames handed out for inference
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
 
@@ -142,6 +150,36 @@ class Session:
             out[lo - (j - 8): hi - (j - 8)] = np.stack(self._rows[lo:hi])
         return out
 
+    def pcm(self, chunk: bytes, last: bool, now: float):
+        """pcm16 mode: a chunk of 16 kHz int16 PCM. Returns (first frame its audio plays in, frames it
+        spans, ready) where ready is [(stream, frame, rows)]: each frame now computable, with the
+        utterance's stream (its encoder inputs) and the frame's window rows into them."""
+        if self._stream is None:   # a new utterance: its frames land once the look-ahead has arrived too
+            self._stream = PcmStream()
+            earliest = self.now_index(now) + self.lead + PCM_LOOKAHEAD_FRAMES
+            self._utterance_start = self.speech_end if self.speech_end >= earliest else earliest
+            self._utterance_pcm = bytearray()
+            self._utterance_done = 0
+        before = len(self._utterance_pcm) // 2
+        self._utterance_pcm += chunk
+        after = len(self._utterance_pcm) // 2
+        stream = self._stream
+        stream.push(np.frombuffer(chunk, "<i2").astype(np.float32) / 32768.0, last)
+        first = self._utterance_start + before // SAMPLES_PER_FRAME
+        spans = -(-after // SAMPLES_PER_FRAME) - before // SAMPLES_PER_FRAME
+        ready = stream.frame_count()
+        work = []
+        for i in range(self._utterance_done, ready):
+            k = self._utterance_start + i
+            self.speech[k] = Speech(now, audio=frame_audio(bytes(self._utterance_pcm), 1, i)[0])
+            work.append((stream, k, stream.frame_rows(i)))
+        self._utterance_done = ready
+        self.speech_end = max(self.speech_end, self._utterance_start + max(ready, -(-after // SAMPLES_PER_FRAME)))
+        if last:
+            self.speech_end = self._utterance_start + ready
+            self._stream = None
+        return first, max(spans, 0), work
+
     def interrupt(self) -> int:
         """Drop speech not yet sent; idle follows. Returns how many frames were dropped."""
         dropped = [k for k in self.speech if k >= self.next_index]
@@ -149,6 +187,7 @@ class Session:
             del self.speech[k]
         self.speech_end = self.next_index
         self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
+        self._stream = None
         return len(dropped)
 
     # -- results and pacing ----------------------------------------------------------------------
@@ -172,11 +211,13 @@ class Session:
             k = self.next_index
             speech = self.speech.pop(k, None)
             if speech is not None and speech.image is not None:
-                out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received))
+                out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received,
+                                    speech.audio))
             else:
                 if speech is not None:
                     self.stats.missed += 1
-                out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None))
+                out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None,
+                                    audio=speech.audio if speech is not None else None))
             self.next_index += 1
         return out
 

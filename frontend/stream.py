@@ -3,7 +3,7 @@
     from frontend.stream import Session
     with Session("tcp://127.0.0.1:5555", "demo") as s:
         s.send_audio(windows)                 # [n, 32, 16, 16] float32: frames first_frame .. +n-1
-        header, image = s.next_frame()        # {"event": "frame", "index", "pts_ms", "kind", "frame"}
+        header, image, pcm = s.next_frame()   # {"event": "frame", "index", "pts_ms", "kind", "frame"}
 
 Each session has its own DEALER socket: the server pushes its frames there, between the replies.
 """
@@ -25,7 +25,16 @@ import zmq.asyncio
 
 from frontend.client import ClientTimeout, ServerError, _header, _new_socket, _parse
 
-Frame = tuple[dict, bytes]
+Frame = tuple[dict, bytes, Optional[bytes]]   # header, image, and its 40 ms of PCM (audio: "pcm16" sessions)
+
+
+def _audio_frame(audio: np.ndarray) -> np.ndarray:
+    """int16 PCM stays int16 (audio: "pcm16"); windows and features are float32."""
+    return np.ascontiguousarray(audio, "<i2" if np.asarray(audio).dtype == np.int16 else "<f4")
+
+
+def _frame(frames: list) -> Frame:
+    return json.loads(frames[0]), frames[1] if len(frames) > 1 else b"", frames[2] if len(frames) > 2 else None
 
 
 def _open_fields(model: str, format: str, quality: Optional[int], fps: Optional[float], start_frame: int,
@@ -74,15 +83,14 @@ class Session:
                 break
             header = json.loads(frames[0])
             if header.get("event") == "frame":
-                self._frames.append((header, frames[1]))
+                self._frames.append(_frame(frames))
             elif header.get("id") in (rid, None):
                 return _parse(frames)[0]
         raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s")
 
     def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
-        """Audio for n frames; the reply's `first_frame` says where they landed on the stream."""
-        return self._request("session_audio", [np.ascontiguousarray(audio, "<f4")], session=self.token,
-                             last=last or None)
+        """Audio for n frames (or int16 PCM); the reply's `first_frame` says where it landed on the stream."""
+        return self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None)
 
     def next_frame(self, timeout_s: Optional[float] = None) -> Optional[Frame]:
         if self._frames:
@@ -90,10 +98,7 @@ class Session:
         frames = self._recv(self.timeout_s if timeout_s is None else timeout_s)
         if frames is None:
             return None
-        header = json.loads(frames[0])
-        if header.get("event") == "frame":
-            return header, frames[1]
-        return header, b""   # a push other than a frame (closed, error)
+        return _frame(frames)   # a frame, or another push (closed, error) with no image
 
     def interrupt(self) -> int:
         return self._request("session_interrupt", session=self.token)["dropped"]
@@ -142,7 +147,7 @@ class AsyncSession:
             frames = (await self._sock.recv_multipart())[1:]
             header = json.loads(frames[0])
             if header.get("event") == "frame":
-                self.frames.put_nowait((header, frames[1]))
+                self.frames.put_nowait(_frame(frames))
                 continue
             future = self._waiting.pop(header.get("id"), None)
             if future is not None and not future.done():
@@ -159,8 +164,7 @@ class AsyncSession:
             raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s") from None
 
     async def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
-        return await self._request("session_audio", [np.ascontiguousarray(audio, "<f4")], session=self.token,
-                                   last=last or None)
+        return await self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None)
 
     async def interrupt(self) -> int:
         return (await self._request("session_interrupt", session=self.token))["dropped"]
@@ -191,7 +195,7 @@ async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, bu
         async def reader():
             nonlocal on_time, late, received, first
             while True:
-                header, image = await s.frames.get()
+                header, image, _ = await s.frames.get()
                 now = time.monotonic()
                 received += 1
                 if first is None:

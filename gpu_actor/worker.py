@@ -215,8 +215,8 @@ class InferenceWorker:
             audio = self._audio_input(task)
             t0 = time.perf_counter()
             # input_ms: building what the client did not send (visual input from the avatar, windows from PCM)
-            built = (t_audio - t_input if task.visual is None else 0.0) + (t0 - t_audio if audio.dtype == np.float32
-                                                                           and task.audio.dtype == "int16" else 0.0)
+            derived = task.audio.dtype == "int16" or task.rows is not None   # windows built from PCM here
+            built = (t_audio - t_input if task.visual is None else 0.0) + (t0 - t_audio if derived else 0.0)
             self.registry.loaded[task.model].runner.run(visual, audio, out)
             inference_ms = (time.perf_counter() - t0) * 1000
             for ref in (task.audio, task.visual):
@@ -251,6 +251,12 @@ class InferenceWorker:
     def _audio_input(self, task: InferTask) -> np.ndarray:
         """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
         audio = self.inputs.read(task.audio)
+        if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
+            encoder, name = self._encoder(task.model)
+            rows = np.asarray(task.rows, np.int64)
+            if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
+                raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
+            return A.windows_from_rows(encoder.run(None, {name: np.ascontiguousarray(audio)})[0], rows)
         if audio.dtype != np.int16:
             return audio
         encoder, name = self._encoder(task.model)

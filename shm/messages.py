@@ -50,6 +50,8 @@ class InferTask(_Msg):
     deadline: float = 0.0            # time.monotonic(): system-wide on one host, never sent to another
     enqueued: float = 0.0
     version: int = 0                 # the frontend's token for the model's background files
+    rows: Optional[list[list[int]]] = None   # audio is encoder inputs [J,1,80,16]: frame i's window is their
+                                             # outputs at rows[i] (-1: zeros); a pcm16 session's speech
 
 
 class ReleaseTask(_Msg):
@@ -93,6 +95,7 @@ class RemoteInfer(_Msg):
     budget_ms: Annotated[float, msgspec.Meta(ge=0)]
     version: int = 0
     pcm: bool = False                   # the audio frame is 16 kHz int16 PCM (audio_shape is then ignored)
+    rows: Optional[list[list[int]]] = None   # the audio frame is encoder inputs (InferTask.rows)
 
 
 # -- inference worker -> compositing process -----------------------------------------------

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import zmq
 
+from config import audio as A
 from frontend.client import ServerError
 from frontend.stream import Session
+from gpu_actor.model_builder import write_audio_encoder
 from tests.helpers import base_config, decode_image, make_avatar, mirror_index, run_server
 
 pytestmark = pytest.mark.slow
@@ -25,7 +27,7 @@ FPS = 25.0
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    make_avatar(root, "a", n_frames=N_FRAMES)
+    write_audio_encoder(make_avatar(root, "a", n_frames=N_FRAMES) / "audio_encoder.onnx", seed=2)
     return root
 
 
@@ -44,7 +46,7 @@ def frames_for(session: Session, seconds: float) -> list:
     while time.monotonic() < deadline:
         frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
         if frame is not None and frame[0].get("event") == "frame":
-            out.append((time.monotonic(), *frame))
+            out.append((time.monotonic(), *frame[:2]))
     return out
 
 
@@ -205,3 +207,37 @@ def test_a_killed_inference_worker_costs_frames_not_the_stream(server):
         speech = [h["index"] for _, h, _ in frames_for(s, 3.0) if h["kind"] == "speech"]
         assert speech == list(range(reply["first_frame"], reply["first_frame"] + 5)), speech
         assert s.stats()["missed"] + s.stats()["frames_speech"] >= 10
+
+
+def test_pcm_in_20_ms_chunks_equals_the_batch_on_the_whole_utterance(server, models):
+    """A pcm16 session fed 20-ms chunks: its speech frames are the frames of the whole utterance's
+    windows (mel -> encoder -> windows at once), and each frame carries its 40 ms of the PCM sent."""
+    import onnxruntime as ort
+    from tests.test_audio import speech_like
+
+    pcm = np.clip(np.round(speech_like(1.2, seed=8) * 32767), -32768, 32767).astype("<i2")
+    encoder = ort.InferenceSession(str(models / "a" / "audio_encoder.onnx"), providers=["CPUExecutionProvider"])
+    windows = A.frame_windows(encoder.run(None, {"mel": A.encoder_inputs(A.melspectrogram(pcm / 32768.0))})[0])
+    with Session(server.endpoint, "a", format="png", audio="pcm16") as s:
+        frames_for(s, 0.3)
+        chunks = [pcm[k:k + 320] for k in range(0, len(pcm), 320)]
+        replies = [s.send_audio(c, last=i == len(chunks) - 1) for i, c in enumerate(chunks)]
+        start = replies[0]["first_frame"]
+        assert [r["first_frame"] for r in replies[:4]] == [start, start, start + 1, start + 1]   # 640 samples a frame
+        got = {}
+        deadline = time.monotonic() + 6
+        while len(got) < len(windows) and time.monotonic() < deadline:
+            frame = s.next_frame(timeout_s=1.0)
+            if frame is not None and frame[0].get("event") == "frame":
+                header, image, audio = frame
+                assert audio is not None and len(audio) == 1280
+                if header["kind"] == "speech":
+                    got[header["index"] - start] = (header, image, audio)
+    assert sorted(got) == list(range(len(windows))), sorted(got)
+    with server.client() as c:
+        for i in (0, 5, len(windows) - 1):
+            header, image, audio = got[i]
+            _, (want,) = c.composite("a", windows[i:i + 1], start_frame=header["frame"], format="png")
+            np.testing.assert_array_equal(decode_image(image, "png", {}), decode_image(want, "png", {}))
+            want_audio = pcm.tobytes()[i * 1280:(i + 1) * 1280]
+            assert audio == want_audio + bytes(1280 - len(want_audio))
