@@ -301,12 +301,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     stream.add_argument("--duty", type=float, default=0.27, help="fraction of the time each session speaks")
     stream.add_argument("--sessions", type=int, default=1)
     stream.add_argument("--out", default=None, help="save every frame received to this folder")
+    stream.add_argument("--pcm", default=None, metavar="FILE.wav", help="speak this 16 kHz mono WAV (the demo "
+                        "avatar's directory has speech.wav) instead of random feature windows")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "stream":
             from frontend.stream import print_stream, run_stream
             print_stream(asyncio.run(run_stream(args.endpoint, args.model, args.seconds, args.duty, args.sessions,
-                                                args.out)))
+                                                args.out, pcm=args.pcm)))
             return 0
         if args.cmd == "composite":
             return _cmd_composite(args)

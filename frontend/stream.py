@@ -181,12 +181,25 @@ class AsyncSession:
 
 # -- the `stream` command ---------------------------------------------------------------------------
 
+def read_wav(path: str) -> np.ndarray:
+    """A 16 kHz mono 16-bit WAV file's samples (int16), or a ValueError saying what to convert."""
+    import wave
+    with wave.open(path, "rb") as w:
+        if (w.getframerate(), w.getnchannels(), w.getsampwidth()) != (16000, 1, 2):
+            raise ValueError(f"{path}: {w.getframerate()} Hz, {w.getnchannels()} channel(s), {8 * w.getsampwidth()} "
+                             "bit; needs 16 kHz mono 16-bit (e.g. ffmpeg -i IN -ar 16000 -ac 1 OUT.wav)")
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2")
+
+
 async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, burst_s: float, seed: int,
-                      out: Optional[Path], progress: dict) -> dict:
+                      out: Optional[Path], progress: dict, pcm: Optional[np.ndarray] = None) -> dict:
     """A session that speaks `duty` of the time in bursts of about `burst_s`, audio sent in real time
-    (one frame's window per frame period), frames read as they come."""
+    (one frame's window per frame period; or with `pcm`, the utterance in 20-ms chunks, once per
+    burst), frames read as they come."""
     rng = np.random.default_rng(seed)
-    async with AsyncSession(endpoint, model) as s:
+    if pcm is not None:
+        burst_s = len(pcm) / 16000
+    async with AsyncSession(endpoint, model, audio="pcm16" if pcm is not None else "window") as s:
         fps = s.info["fps"]
         shape = s.info["audio_shape"]
         on_time = late = received = 0
@@ -213,22 +226,29 @@ async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, bu
         t0 = time.monotonic()
         speaking_until = 0.0
         next_burst = t0 + rng.exponential(burst_s * (1 - duty) / max(duty, 1e-6)) if duty > 0 else float("inf")
-        tick = 0
+        tick, sent = 0, 0
+        step = 1 / fps if pcm is None else 0.02
         while (now := time.monotonic()) - t0 < seconds:
             if now >= next_burst and now >= speaking_until:
-                speaking_until = now + burst_s * rng.uniform(0.5, 1.5)
+                speaking_until = now + (burst_s * rng.uniform(0.5, 1.5) if pcm is None else burst_s + 1.0)
                 next_burst = speaking_until + rng.exponential(burst_s * (1 - duty) / duty)
-            if now < speaking_until:
+                sent = 0
+            if pcm is not None and sent < len(pcm) and now < speaking_until:
+                chunk = pcm[sent:sent + 320]
+                sent += len(chunk)
+                await s.send_audio(chunk, last=sent >= len(pcm))
+            elif pcm is None and now < speaking_until:
                 await s.send_audio(rng.standard_normal((1, *shape)).astype(np.float32))
             tick += 1
-            await asyncio.sleep(max(t0 + tick / fps - time.monotonic(), 0))
+            await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
         stats = await s.close()
         task.cancel()
     return {"received": received, "on_time": on_time, "late": late, **stats}
 
 
 async def run_stream(endpoint: str, model: str, seconds: float, duty: float, sessions: int = 1,
-                     out: Optional[str] = None, burst_s: float = 3.0, quiet: bool = False) -> list[dict]:
+                     out: Optional[str] = None, burst_s: float = 3.0, quiet: bool = False,
+                     pcm: Optional[str] = None) -> list[dict]:
     folder = Path(out) if out else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -241,7 +261,8 @@ async def run_stream(endpoint: str, model: str, seconds: float, duty: float, ses
                 sys.stderr.write(f"\r{len(progress)} session(s), {sum(progress.values())} frames received")
 
     shower = asyncio.create_task(show())
-    results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress)
+    samples = read_wav(pcm) if pcm else None
+    results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress, samples)
                                      for i in range(sessions)))
     shower.cancel()
     if not quiet:

@@ -69,6 +69,26 @@ def _frame(scene: np.ndarray, k: int, n: int) -> tuple[np.ndarray, list[int]]:
     return img, [cx - half, cy - half + 40, cx + half, cy + half + 40]
 
 
+def write_speech(path: Path, seconds: float = 3.0, seed: int = 0) -> Path:
+    """A speech-like utterance (16 kHz mono 16-bit WAV): voiced harmonics under a syllable-rate envelope
+    with short pauses. Generated, so nothing is downloaded; it drives the demo, it is not language."""
+    import wave
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 16000)) / 16000
+    pitch = 140 + 25 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(pitch) / 16000
+    voice = sum(np.sin(k * phase) / k for k in range(1, 9))
+    syllables = np.clip(np.sin(2 * np.pi * 3.5 * t + rng.uniform(0, 6)), 0, None) ** 1.5
+    pauses = (np.sin(2 * np.pi * 0.45 * t) > -0.7).astype(float)
+    samples = 0.25 * voice * syllables * pauses + 0.003 * rng.standard_normal(len(t))
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(np.clip(samples * 32767, -32768, 32767).astype("<i2").tobytes())
+    return path
+
+
 def build_demo(config: Config) -> Path:
     """Build (or reuse) the demo model directory; returns the models_dir to serve."""
     root = demo_root(config)
@@ -96,6 +116,7 @@ def build_demo(config: Config) -> Path:
     _progress("unet_328 model   ", 0, 1)
     write_model(model_dir / "model.onnx", kind="unet328", audio="ave", seed=d.seed)
     write_audio_encoder(model_dir / "audio_encoder.onnx", seed=d.seed)   # 16 kHz PCM input works too
+    write_speech(model_dir / "speech.wav", seed=d.seed)   # for `frontend.client stream demo --pcm`
     _progress("unet_328 model   ", 1, 1)
     marker.write_text("ok\n")
     return root

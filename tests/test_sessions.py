@@ -241,3 +241,19 @@ def test_pcm_in_20_ms_chunks_equals_the_batch_on_the_whole_utterance(server, mod
             np.testing.assert_array_equal(decode_image(image, "png", {}), decode_image(want, "png", {}))
             want_audio = pcm.tobytes()[i * 1280:(i + 1) * 1280]
             assert audio == want_audio + bytes(1280 - len(want_audio))
+
+
+def test_stream_cli_speaks_a_wav_file(server, tmp_path):
+    import subprocess
+    import sys
+
+    from supervisor.demo import write_speech
+    from tests.helpers import ROOT
+    wav = write_speech(tmp_path / "speech.wav", seconds=1.5)
+    out = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "stream", "a",
+                          "--seconds", "4", "--duty", "0.9", "--pcm", str(wav)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    speech = int(line.split("(")[1].split(" speech")[0])
+    assert speech > 0 and "dropped 0" in line, line
