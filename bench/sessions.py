@@ -14,12 +14,15 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import psutil
 
 from frontend.stream import AsyncSession
-from gpu_actor.model_builder import write_model
+from frontend.stream import read_wav
+from gpu_actor.model_builder import write_audio_encoder, write_model
+from supervisor.demo import write_speech
 from tests.helpers import base_config, run_server
 
 FPS = 25.0
@@ -33,60 +36,98 @@ def _models(demo_dir: Path, root: Path) -> Path:
         os.link(f, d / "frames" / f.name)
     shutil.copy(src / "crop_rects.json", d / "crop_rects.json")
     write_model(d / "model.onnx", kind="tiny", audio="ave")
+    write_audio_encoder(d / "audio_encoder.onnx")
     return root
 
 
-async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int) -> dict:
+async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int,
+                   pcm: Optional[np.ndarray] = None) -> dict:
     rng = np.random.default_rng(seed)
-    async with AsyncSession(endpoint, "avatar", format="jpeg", quality=75, timeout_s=60) as s:
+    mode = "pcm16" if pcm is not None else "window"
+    async with AsyncSession(endpoint, "avatar", format="jpeg", quality=75, timeout_s=60, audio=mode) as s:
         async def drain():
             while True:
                 await s.frames.get()
 
         reader = asyncio.create_task(drain())
         window = rng.standard_normal((1, 32, 16, 16)).astype(np.float32)
-        t0 = time.monotonic() + rng.uniform(0, 1 / FPS)
-        speaking_until, tick = 0.0, 0
+        step = 1 / FPS if pcm is None else 0.02   # PCM goes in 20-ms chunks, one utterance per burst
+        t0 = time.monotonic() + rng.uniform(0, step)
+        speaking_until, tick, sent = 0.0, 0, 0
         next_burst = t0 + (rng.uniform(0, burst_s / duty) if duty else float("inf"))
         while (now := time.monotonic()) - t0 < seconds:
             if now >= next_burst:
                 speaking_until = now + burst_s * rng.uniform(0.7, 1.3)
                 next_burst = speaking_until + burst_s * (1 - duty) / duty * rng.uniform(0.7, 1.3)
+                sent = 0
             if now < speaking_until:
-                await s.send_audio(window)
+                if pcm is None:
+                    await s.send_audio(window)
+                elif sent < len(pcm):
+                    chunk = pcm[sent:sent + 320]
+                    sent += len(chunk)
+                    ending = sent >= len(pcm) or now + step >= speaking_until
+                    await s.send_audio(chunk, last=ending)
+                    sent = len(pcm) if ending else sent
             tick += 1
-            await asyncio.sleep(max(t0 + tick / FPS - time.monotonic(), 0))
+            await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
         stats = await s.close()
         reader.cancel()
         return stats
 
 
-async def _level(endpoint: str, n: int, seconds: float, duty: float) -> list[dict]:
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i) for i in range(n)))
+async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None) -> list[dict]:
+    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm) for i in range(n)))
+
+
+def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
+    """What PCM input adds per frame: the incremental mel in the frontend's event loop (PcmStream, per
+    20-ms chunk) and the encoder run in the inference process (per encoder input = per frame)."""
+    import onnxruntime as ort
+
+    from config.audio import PcmStream, encoder_inputs, melspectrogram
+    samples = speech.astype(np.float32) / 32768
+    stream, t0 = PcmStream(), time.process_time()
+    for k in range(0, len(samples), 320):
+        stream.push(samples[k:k + 320], last=k + 320 >= len(samples))
+    mel_s = time.process_time() - t0
+    chunks = -(-len(samples) // 320)
+    inputs = encoder_inputs(melspectrogram(samples))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(encoder_path), options, providers=["CPUExecutionProvider"])
+    session.run(None, {"mel": inputs[:8]})
+    t0 = time.process_time()
+    for _ in range(3):
+        session.run(None, {"mel": inputs})
+    encoder_s = (time.process_time() - t0) / 3
+    return {"mel_us_per_chunk": mel_s / chunks * 1e6, "mel_percent_of_realtime": 100 * mel_s / (len(samples) / 16000),
+            "encoder_ms_per_frame": encoder_s / len(inputs) * 1000}
 
 
 def _cpu(pids: dict) -> dict:
     return {name: sum(psutil.Process(p).cpu_times()[:2]) for name, p in pids.items()}
 
 
-def _run_level(srv, n: int, seconds: float, duty: float) -> dict:
+def _run_level(srv, n: int, seconds: float, duty: float, pcm=None) -> dict:
     pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids["bench client"] = os.getpid()
     before, t0 = _cpu(pids), time.monotonic()
-    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty))
+    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm))
     wall = time.monotonic() - t0
     after = _cpu(pids)
     frames = sum(s["frames_speech"] + s["frames_idle"] for s in stats)
     late = sum(s["late"] for s in stats)
     p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
-    return {"sessions": n, "duty": duty, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
+    return {"sessions": n, "duty": duty, "pcm": pcm is not None, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
             "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
             "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
             "latency_p99_ms": max(p99) if p99 else None,
             "cpu_percent": {k: round(100 * (after[k] - before[k]) / wall) for k in pids}}
 
 
-def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300)) -> dict:
+def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
+        pcm_speaking=(10, 20)) -> dict:
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
@@ -102,13 +143,21 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
             for n in silent:
                 results.append(_run_level(srv, n, seconds, 0.0))
                 _print(results[-1])
+            speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
+            costs = _pcm_costs(models / "avatar" / "audio_encoder.onnx", speech)
+            print(f"  PCM: mel in the frontend {costs['mel_us_per_chunk']:.0f} us per 20-ms chunk "
+                  f"({costs['mel_percent_of_realtime']:.2f}% of real time); encoder in the worker "
+                  f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
+            for n in pcm_speaking:
+                results.append(_run_level(srv, n, seconds, 0.27, speech))
+                _print(results[-1])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"levels": results}
 
 
 def _print(r: dict) -> None:
-    kind = "speaking 27%" if r["duty"] else "silent"
+    kind = ("speaking 27%" + (" (16 kHz PCM)" if r.get("pcm") else "")) if r["duty"] else "silent"
     cpu = ", ".join(f"{k} {v}%" for k, v in r["cpu_percent"].items())
     print(f"  {r['sessions']:4d} sessions {kind}: {r['frames']} frames ({r['speech']} speech), "
           f"{100 * r['on_time']:.2f}% on time, late {r['late']} (max {r['max_late_ms']:.0f} ms), "

@@ -161,7 +161,8 @@ class PcmStream:
     to 640 * (i + 6) + 3400, that is 7,240 samples (453 ms) past its own start.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "") -> None:
+        self.name = name                        # unique per utterance: workers key their encoder outputs by it
         self._x = np.zeros(0, np.float64)       # pre-emphasised samples so far
         self._previous = 0.0                    # the last raw sample (pre-emphasis continues across chunks)
         self._mel: list[np.ndarray] = []        # final mel rows

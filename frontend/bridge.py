@@ -257,7 +257,8 @@ class BridgeServer:
         call.tensors = None
         self.to_gpu[action.worker].send(encode(InferTask(
             req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],
-            deadline=r.deadline, enqueued=time.monotonic(), version=task.version, rows=task.rows)))
+            deadline=r.deadline, enqueued=time.monotonic(), version=task.version, rows=task.rows,
+            utterance=task.utterance[:200], first_input=task.first_input)))
 
     def _reply(self, r: Request) -> None:
         call = r.data

@@ -228,9 +228,11 @@ class Live:
             used = rows[rows >= 0]
             a, b = int(used.min()), int(used.max())
             inputs = np.stack([stream.encoder_input(j) for j in range(a, b + 1)])
-            self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1))
+            self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1),
+                             stream.name, a)
 
-    def _submit_pcm(self, session: Session, frames: list[int], inputs: np.ndarray, rows: np.ndarray) -> None:
+    def _submit_pcm(self, session: Session, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
+                    utterance: str, first_input: int) -> None:
         from frontend.server import Call
         opened: Call = session.data
         header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(frames),
@@ -238,7 +240,7 @@ class Live:
         call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
                     tensors=Tensors(None, memoryview(np.ascontiguousarray(inputs, "<f4").tobytes()), True, len(frames)),
                     frames=[session.background(k) for k in frames], targets=[(session.token, k) for k in frames],
-                    rows=rows.tolist())
+                    rows=rows.tolist(), utterance=(utterance, first_input))
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]), data=call)
         self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 

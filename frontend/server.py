@@ -66,6 +66,7 @@ class Call:
     frames: list[int] = field(default_factory=list)
     pcm: Optional[bytes] = None        # return_audio: the PCM sent, sliced per frame into the reply
     rows: Optional[list] = None        # pcm16 sessions: tensors are encoder inputs; each frame's window rows
+    utterance: tuple[str, int] = ("", 0)   # ... the utterance and the number of its first input
     # Live sessions' speech: each frame's (session, frame index); its frames are held, not replied.
     targets: Optional[list[tuple[str, int]]] = None
 
@@ -420,7 +421,8 @@ class Frontend:
             req=r.req, model=call.spec.id, batch=batch, audio=audio_ref, visual=visual_ref, frames=call.frames,
             plan=action.plan, format=header.format or self.config.output.format,
             quality=header.quality or self.config.output.quality, deadline=r.deadline, enqueued=call.t0,
-            version=call.spec.version, rows=call.rows)))
+            version=call.spec.version, rows=call.rows, utterance=call.utterance[0],
+            first_input=call.utterance[1])))
 
     def _arm_timer(self) -> None:
         when = self.engine.next_deadline()

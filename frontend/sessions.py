@@ -92,6 +92,7 @@ class Session:
         self._utterance_start = 0            # ... its frame 0 on the timeline
         self._utterance_pcm = bytearray()    # ... its samples, for each frame's audio out
         self._utterance_done = 0             # ... its frames handed out for inference
+        self._utterances = 0
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
 
@@ -155,7 +156,8 @@ class Session:
         spans, ready) where ready is [(stream, frame, rows)]: each frame now computable, with the
         utterance's stream (its encoder inputs) and the frame's window rows into them."""
         if self._stream is None:   # a new utterance: its frames land once the look-ahead has arrived too
-            self._stream = PcmStream()
+            self._utterances += 1
+            self._stream = PcmStream(f"{self.token}/{self._utterances}")
             earliest = self.now_index(now) + self.lead + PCM_LOOKAHEAD_FRAMES
             self._utterance_start = self.speech_end if self.speech_end >= earliest else earliest
             self._utterance_pcm = bytearray()

@@ -129,7 +129,8 @@ class RemoteWorker:
             frames = [encode(RemoteInfer(
                 req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
                 visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
-                version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows))]
+                version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
+                first_input=msg.first_input))]
             if msg.visual is not None:
                 frames.append(self.inputs.read(msg.visual))
             frames.append(self.inputs.read(msg.audio))

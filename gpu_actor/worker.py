@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +34,7 @@ from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
 IDLE_TICK_MS = 1000
+FEATURES_CACHE = 20_000   # encoder outputs kept for live sessions (2 KB each)
 
 
 class InferenceWorker:
@@ -63,6 +64,7 @@ class InferenceWorker:
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
         self._encoders: dict[Path, tuple] = {}   # audio encoder file -> (session, input name)
+        self._features_cache: OrderedDict[tuple, np.ndarray] = OrderedDict()   # (utterance, input) -> [512]
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, 6, 320, 320), np.float32)  # audio-only inputs are built here
         self._stopping = False
@@ -252,11 +254,10 @@ class InferenceWorker:
         """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
         audio = self.inputs.read(task.audio)
         if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
-            encoder, name = self._encoder(task.model)
             rows = np.asarray(task.rows, np.int64)
             if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
                 raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
-            return A.windows_from_rows(encoder.run(None, {name: np.ascontiguousarray(audio)})[0], rows)
+            return A.windows_from_rows(self._features(task, audio), rows)
         if audio.dtype != np.int16:
             return audio
         encoder, name = self._encoder(task.model)
@@ -265,6 +266,23 @@ class InferenceWorker:
         if len(windows) != task.batch:
             raise AssetError(f"model {task.model}: the PCM gives {len(windows)} frames, the request has {task.batch}")
         return windows
+
+    def _features(self, task: InferTask, inputs: np.ndarray) -> np.ndarray:
+        """Encoder outputs of a session's inputs. Consecutive frames share 15 of their 16 window rows:
+        each (utterance, input number) is encoded once here and kept (bounded, least recently used out)."""
+        keys = [(task.utterance, task.first_input + j) for j in range(len(inputs))]
+        missing = [j for j, key in enumerate(keys) if key not in self._features_cache] if task.utterance else \
+            list(range(len(inputs)))
+        if missing:
+            encoder, name = self._encoder(task.model)
+            computed = encoder.run(None, {name: np.ascontiguousarray(inputs[missing])})[0]
+            for j, row in zip(missing, computed):
+                self._features_cache[keys[j]] = row
+            while len(self._features_cache) > FEATURES_CACHE:
+                self._features_cache.popitem(last=False)
+        for key in keys:
+            self._features_cache.move_to_end(key)
+        return np.stack([self._features_cache[key] for key in keys])
 
     def _encoder(self, model: str):
         """The model's audio encoder session, loaded once per file and shared by the models that use it."""

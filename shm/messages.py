@@ -52,6 +52,8 @@ class InferTask(_Msg):
     version: int = 0                 # the frontend's token for the model's background files
     rows: Optional[list[list[int]]] = None   # audio is encoder inputs [J,1,80,16]: frame i's window is their
                                              # outputs at rows[i] (-1: zeros); a pcm16 session's speech
+    utterance: str = ""              # ... whose inputs are numbers first_input .. +J-1 of this utterance:
+    first_input: int = 0             # the worker encodes each (utterance, number) once and keeps it
 
 
 class ReleaseTask(_Msg):
@@ -96,6 +98,8 @@ class RemoteInfer(_Msg):
     version: int = 0
     pcm: bool = False                   # the audio frame is 16 kHz int16 PCM (audio_shape is then ignored)
     rows: Optional[list[list[int]]] = None   # the audio frame is encoder inputs (InferTask.rows)
+    utterance: str = ""
+    first_input: int = 0
 
 
 # -- inference worker -> compositing process -----------------------------------------------
