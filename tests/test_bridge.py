@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from frontend.client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
+from gpu_actor.model_builder import write_audio_encoder
 from tests.conftest import TEST_PREFIX
 from tests.helpers import ROOT, base_config, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
 
@@ -35,7 +36,7 @@ def keys(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("models")
-    make_avatar(root, "a", n_frames=5)
+    write_audio_encoder(make_avatar(root, "a", n_frames=5) / "audio_encoder.onnx")
     make_avatar(root, "b", n_frames=3, seed=2)
     make_avatar(root, "slow", n_frames=3, kind="unet328")
     return root
@@ -77,11 +78,19 @@ def test_composite_through_the_bridge_has_single_host_pixels(tmp_path, models, k
                     np.testing.assert_array_equal(decode_image(image, fmt, header), want)
             reply, mouths = c.infer("b", np.zeros((2, 6, 320, 320), np.float32), AUDIO[:2])
             assert mouths.shape == (2, 3, 320, 320)
+            # 16 kHz PCM crosses as PCM: the GPU host derives the windows, the pixels are the single host's.
+            pcm = (np.sin(np.arange(5600) / 9.0) * 8000).astype("<i2")
+            header, images = c.request("composite", [pcm], model="a", audio_format="pcm16", format="png")
+            with run_server(tmp_path, base_config(models)) as single, single.client() as s:
+                _, want = s.request("composite", [pcm], model="a", audio_format="pcm16", format="png")
+            assert header["batch"] == len(images) == len(want) == 8
+            for got, expected in zip(images, want):
+                np.testing.assert_array_equal(decode_image(got, "png", {}), decode_image(expected, "png", {}))
             assert c.load("a")["loaded_on"] == [0]
             # The GPU host answers `stats` for all of its workers at once.
             stats = c.stats()
             assert stats["workers"][0]["device"].startswith("2 worker(s)"), stats["workers"]
-            assert stats["models"]["a"]["frames"] == 8 and stats["models"]["b"]["frames"] == 2, stats["models"]
+            assert stats["models"]["a"]["frames"] == 16 and stats["models"]["b"]["frames"] == 2, stats["models"]
             # ... and `unload` for every worker that has the model.
             for model in ("a", "b"):
                 assert c.unload(model)["loaded_on"] == []
