@@ -46,7 +46,7 @@ async def _served(endpoint: str, op: str, batch: int, seconds: float, concurrenc
     timings: list = []
     async with AsyncClient(endpoint, timeout_s=600) as client:
         await client.request("infer" if op == "infer" else "composite",
-                             [a for a in (visual, audio) if a is not None], model="demo", batch=batch)  # warm
+                             [a for a in (visual, audio) if a is not None], model="demo-unet328", batch=batch)  # warm
         stop = time.perf_counter() + seconds
         done = 0
 
@@ -56,9 +56,9 @@ async def _served(endpoint: str, op: str, batch: int, seconds: float, concurrenc
             while time.perf_counter() < stop or i == 0:
                 t0 = time.perf_counter()
                 if op == "infer":
-                    header, _ = await client.infer("demo", visual, audio)
+                    header, _ = await client.infer("demo-unet328", visual, audio)
                 else:
-                    header, _ = await client.composite("demo", audio, visual=visual, batch=batch,
+                    header, _ = await client.composite("demo-unet328", audio, visual=visual, batch=batch,
                                                        start_frame=k * 1000 + i, format="jpeg")
                 timings.append((header["timing"], (time.perf_counter() - t0) * 1000))
                 done += batch
@@ -80,7 +80,7 @@ def _memcpy_ms(nbytes: int) -> float:
 
 
 def run(models_dir: str, seconds: float = 8.0, batches=(1, 8, 24), rounds: int = 2) -> dict:
-    model = Path(models_dir) / "demo" / "model.onnx"
+    model = Path(models_dir) / "demo-unet328" / "model.onnx"
     tmp = Path(tempfile.mkdtemp(prefix="lsync-bench-"))
     cfg = base_config(Path(models_dir), **{"limits.max_batch": max(batches), "limits.request_timeout_s": 600,
                                             "inference.intra_op_threads": 0, "compositing.workers": 1,
@@ -92,7 +92,7 @@ def run(models_dir: str, seconds: float = 8.0, batches=(1, 8, 24), rounds: int =
     result: dict = {}
     with run_server(tmp, cfg) as server:
         with Client(server.endpoint, timeout_s=600) as c:
-            c.load("demo")
+            c.load("demo-unet328")
         # Interleaved rounds, best of each: raw runs while the server idles, so neither disturbs the
         # other, and a drift in this machine's load hits both alike.
         for _ in range(rounds):

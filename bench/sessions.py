@@ -22,7 +22,7 @@ import psutil
 from frontend.stream import AsyncSession
 from frontend.stream import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
-from supervisor.demo import write_speech
+from config.audio import write_speech
 from tests.helpers import base_config, run_server
 
 FPS = 25.0

@@ -301,8 +301,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     stream.add_argument("--duty", type=float, default=0.27, help="fraction of the time each session speaks")
     stream.add_argument("--sessions", type=int, default=1)
     stream.add_argument("--out", default=None, help="save every frame received to this folder")
-    stream.add_argument("--pcm", default=None, metavar="FILE.wav", help="speak this 16 kHz mono WAV (the demo "
-                        "avatar's directory has speech.wav) instead of random feature windows")
+    stream.add_argument("--pcm", nargs="?", const="demo", default=None, metavar="FILE.wav",
+                        help="speak this 16 kHz mono WAV (alone: a generated speech-like utterance, the demo's) "
+                             "instead of random feature windows")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "stream":

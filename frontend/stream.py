@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from config.audio import speech
 from frontend.client import ClientTimeout, ServerError, _header, _new_socket, _parse
 
 Frame = tuple[dict, bytes, Optional[bytes]]   # header, image, and its 40 ms of PCM (audio: "pcm16" sessions)
@@ -261,7 +262,7 @@ async def run_stream(endpoint: str, model: str, seconds: float, duty: float, ses
                 sys.stderr.write(f"\r{len(progress)} session(s), {sum(progress.values())} frames received")
 
     shower = asyncio.create_task(show())
-    samples = read_wav(pcm) if pcm else None
+    samples = (speech() if pcm == "demo" else read_wav(pcm)) if pcm else None
     results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress, samples)
                                      for i in range(sessions)))
     shower.cancel()

@@ -1,5 +1,10 @@
-"""The embedded default's demo avatar: a unet_328-shaped model (random weights) and a background
-video of a simple scene with a face whose crop box moves a little, as a real one does.
+"""The embedded default's demo avatars, on one background video of a simple scene with a face whose crop
+box moves a little, as a real one does:
+
+    demo           talks: a small graph that opens the mouth with the audio's loudness
+                   (gpu_actor/demo_model.py), and an encoder that turns speech into that loudness
+    demo-unet328   unet_328's architecture and cost with random weights (a square of noise where the
+                   mouth is): what the benchmarks use for real inference cost
 
 Built once into `demo.cache_dir` (with a progress bar), then reused; a marker file is written last,
 so an interrupted build is redone rather than served half-made.
@@ -17,10 +22,12 @@ import cv2
 import numpy as np
 
 from config import Config, resolve_path
+from config.audio import write_speech
 
 WIDTH, HEIGHT = 1280, 720
 MODEL_ID = "demo"
-_VERSION = 2   # 2: the demo model has an audio encoder (PCM input)
+UNET_MODEL_ID = "demo-unet328"
+_VERSION = 3   # 2: audio encoders (PCM input); 3: the talking demo model, unet_328 as demo-unet328
 
 
 def demo_root(config: Config) -> Path:
@@ -69,24 +76,11 @@ def _frame(scene: np.ndarray, k: int, n: int) -> tuple[np.ndarray, list[int]]:
     return img, [cx - half, cy - half + 40, cx + half, cy + half + 40]
 
 
-def write_speech(path: Path, seconds: float = 3.0, seed: int = 0) -> Path:
-    """A speech-like utterance (16 kHz mono 16-bit WAV): voiced harmonics under a syllable-rate envelope
-    with short pauses. Generated, so nothing is downloaded; it drives the demo, it is not language."""
-    import wave
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 16000)) / 16000
-    pitch = 140 + 25 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(pitch) / 16000
-    voice = sum(np.sin(k * phase) / k for k in range(1, 9))
-    syllables = np.clip(np.sin(2 * np.pi * 3.5 * t + rng.uniform(0, 6)), 0, None) ** 1.5
-    pauses = (np.sin(2 * np.pi * 0.45 * t) > -0.7).astype(float)
-    samples = 0.25 * voice * syllables * pauses + 0.003 * rng.standard_normal(len(t))
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(np.clip(samples * 32767, -32768, 32767).astype("<i2").tobytes())
-    return path
+def _link(src: Path, dst: Path) -> None:
+    try:
+        dst.hardlink_to(src)
+    except OSError:   # another file system: a copy
+        shutil.copy(src, dst)
 
 
 def build_demo(config: Config) -> Path:
@@ -95,6 +89,7 @@ def build_demo(config: Config) -> Path:
     marker = root / "complete"
     if marker.exists():
         return root
+    from gpu_actor.demo_model import write_demo_models
     from gpu_actor.model_builder import write_audio_encoder, write_model
 
     d = config.demo
@@ -113,10 +108,16 @@ def build_demo(config: Config) -> Path:
         if k % 10 == 0 or k == d.frames - 1:
             _progress("background frames", k + 1, d.frames)
     (model_dir / "crop_rects.json").write_text(json.dumps({str(i): {"rect": r} for i, r in enumerate(rects)}))
+    write_demo_models(model_dir)
+    write_speech(model_dir / "speech.wav", seed=d.seed)   # the utterance `frontend.client stream --pcm` speaks
+    unet_dir = root / UNET_MODEL_ID   # the same avatar, with unet_328's cost
+    (unet_dir / "frames").mkdir(parents=True)
+    for frame in (model_dir / "frames").iterdir():
+        _link(frame, unet_dir / "frames" / frame.name)
+    _link(model_dir / "crop_rects.json", unet_dir / "crop_rects.json")
     _progress("unet_328 model   ", 0, 1)
-    write_model(model_dir / "model.onnx", kind="unet328", audio="ave", seed=d.seed)
-    write_audio_encoder(model_dir / "audio_encoder.onnx", seed=d.seed)   # 16 kHz PCM input works too
-    write_speech(model_dir / "speech.wav", seed=d.seed)   # for `frontend.client stream demo --pcm`
+    write_model(unet_dir / "model.onnx", kind="unet328", audio="ave", seed=d.seed)
+    write_audio_encoder(unet_dir / "audio_encoder.onnx", seed=d.seed)   # random weights: 16 kHz PCM works
     _progress("unet_328 model   ", 1, 1)
     marker.write_text("ok\n")
     return root

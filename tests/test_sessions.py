@@ -247,7 +247,7 @@ def test_stream_cli_speaks_a_wav_file(server, tmp_path):
     import subprocess
     import sys
 
-    from supervisor.demo import write_speech
+    from config.audio import write_speech
     from tests.helpers import ROOT
     wav = write_speech(tmp_path / "speech.wav", seconds=1.5)
     out = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "stream", "a",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import cv2
 import numpy as np
 import psutil
 import pytest
@@ -27,7 +28,8 @@ def test_demo_avatar_is_built_once_and_served(tmp_path):
     cfg = {"demo": {"cache_dir": str(tmp_path / "cache"), "frames": 12}}
     root = build_demo(parse_config(cfg, base_dir="/"))
     frames = sorted((root / "demo" / "frames").iterdir())
-    assert len(frames) == 12 and (root / "demo" / "model.onnx").stat().st_size > 40e6  # unet_328-sized
+    assert len(frames) == 12 and (root / "demo-unet328" / "model.onnx").stat().st_size > 40e6  # unet_328-sized
+    assert (root / "demo" / "model.onnx").stat().st_size < 20e6 and (root / "demo" / "speech.wav").exists()
     rects = json.loads((root / "demo" / "crop_rects.json").read_text())
     centres = {(r["rect"][0] + r["rect"][2]) // 2 for r in rects.values()}
     assert len(centres) > 3, "the face crop should move a little"
@@ -39,10 +41,12 @@ def test_demo_avatar_is_built_once_and_served(tmp_path):
                                                   "compositing.max_frame_height": 720})
     del server_cfg["models_dir"]
     with run_server(tmp_path, server_cfg) as srv, srv.client() as c:
-        (model,) = c.models()
-        assert (model["id"], model["width"], model["height"], model["frames"]) == ("demo", 1280, 720, 12)
-        header, images = c.composite("demo", np.zeros((2, 32, 16, 16), np.float32), format="png")
+        demo, unet = c.models()
+        assert (demo["id"], demo["width"], demo["height"], demo["frames"]) == ("demo", 1280, 720, 12)
+        assert unet["id"] == "demo-unet328" and unet["frames"] == 12
+        header, images = c.composite("demo-unet328", np.zeros((2, 32, 16, 16), np.float32), format="png")
         assert decode_image(images[0], "png", header).shape == (720, 1280, 3)
+        _demo_talks(c, root)
     assert "building the demo avatar" not in srv.log.read_text()  # reused, not rebuilt
 
 
@@ -115,3 +119,29 @@ def test_sigterm_during_start_up_stops_every_child_and_removes_shm(tmp_path):
     assert proc.returncode == 1 and "stopped by a signal during start-up" in out, out[-2000:]
     assert _gone(children) == []
     assert not [s for s in list_segments(TEST_PREFIX) if f"-{proc.pid}-" in s]
+
+
+def _demo_talks(c, root) -> None:
+    """The demo's mouth opens with loud speech and stays the face's own in silence: frames from 16 kHz
+    PCM (the demo's speech.wav), the mouth region compared with the background it was pasted on."""
+    from frontend.stream import read_wav
+    pcm = read_wav(str(root / "demo" / "speech.wav"))
+    rects = json.loads((root / "demo" / "crop_rects.json").read_text())
+    n = 5600                                                           # 8 frames: limits.max_batch here
+    start = max(range(0, len(pcm) - n, 800), key=lambda i: np.abs(pcm[i:i + n].astype(float)).mean())
+    loud = pcm[start:start + n]                                        # the loudest stretch of speech
+    silent = np.zeros(n, "<i2")                                        # silence
+    openings = {}
+    for name, audio in (("loud", loud), ("silent", silent)):
+        header, images = c.request("composite", [audio.astype("<i2")], model="demo", audio_format="pcm16",
+                                   format="png", timeout_ms=60_000)
+        changes = []
+        for image, k in zip(images, header["frames"]):
+            frame = decode_image(image, "png", header).astype(int)
+            background = cv2.imread(str(sorted((root / "demo" / "frames").iterdir())[k])).astype(int)
+            x1, y1, x2, y2 = rects[str(k)]["rect"]
+            mouth = (slice(y1 + 160, y1 + 230), slice(x1 + 100, x1 + 200))   # the lower middle of the face box
+            changes.append(np.abs(frame[mouth] - background[mouth]).mean())
+        openings[name] = changes
+    assert max(openings["silent"]) < 3, openings["silent"]   # nothing drawn: the resampled face itself
+    assert np.median(openings["loud"]) > 10 * max(max(openings["silent"]), 0.5), openings
