@@ -28,6 +28,7 @@ from config import Config
 from config.audio import frame_count
 from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset, mouths_to_uint8, valid_model_id
 from config.keys import make_server, public_keys_in, start_authenticator
+from frontend import probes
 from frontend.engine import (Dispatch, Fail, FreeInput, Kind, ReleaseOutput, Reply, Request, ResetInputs, Scheduler,
                              SendWorker, merge_model_stats)
 from shm.child import child_main
@@ -79,7 +80,14 @@ class BridgeServer:
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
         self.engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
                                 config.frontend.routing, STATS_TIMEOUT_S)
+        # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
+        probes.serve(config.metrics.host, config.metrics.port, self.not_ready)
         self._stopping = False
+
+    def not_ready(self) -> Optional[str]:
+        if any(w.ready for w in self.engine.workers):
+            return None
+        return "no inference worker is ready on this GPU host"
 
     def stop(self) -> None:
         self._stopping = True

@@ -6,7 +6,7 @@ CompositeDone, ModelEvents, ProcessEvents), so worker processes need no metrics 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _MS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120, 10240)
 
@@ -43,6 +43,7 @@ class Metrics:
         self.backlog_bytes = Gauge("lipsync_client_backlog_bytes", "Reply bytes clients have not read yet, all "
                                    "connections together", registry=r)
 
-    def serve(self, host: str, port: int) -> None:
-        if port:
-            start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, ready) -> None:
+        """/metrics, /healthz and /readyz on `port` (frontend/probes.py); 0 disables them."""
+        from frontend.probes import serve
+        serve(host, port, ready, self.registry)

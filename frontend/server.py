@@ -119,7 +119,17 @@ class Frontend:
         self.live = Live(self)
         self._timer: Optional[asyncio.TimerHandle] = None
         self._timer_at = float("inf")
-        self.metrics.serve(config.metrics.host, config.metrics.port)
+        self.metrics.serve(config.metrics.host, config.metrics.port, self.not_ready)
+
+    def not_ready(self) -> Optional[str]:
+        """Why a request could not be served now (None: it could): /readyz. On an edge, one GPU host
+        that is ready is enough. NOTE: called from the probes' thread; it only reads."""
+        workers, compositors = list(self.engine.workers), list(self.engine.compositors)
+        if not any(w.ready for w in workers):
+            return "no inference worker is ready: " + ", ".join(f"{w.device} {w.state.value}" for w in workers)
+        if compositors and not any(c.ready for c in compositors):
+            return "no compositing process is ready"
+        return None
 
     def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
         """frontend.curve: client key (z85) -> its tenant; None when clients need no key."""

@@ -131,6 +131,24 @@ def test_lost_gpu_host_gives_unavailable_then_recovers_without_edge_restart(tmp_
             assert header["ok"] and len(images) == 4
 
 
+def test_a_gpu_host_answers_probes(tmp_path, models, keys):
+    import json
+    import urllib.request
+    port, probes = free_port(), free_port()
+    with gpu_host(tmp_path, {**gpu_config(models, keys, port), "metrics": {"port": probes}}):
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{probes}/readyz", timeout=5) as resp:
+                    assert json.loads(resp.read()) == {"status": "ready"}
+                    break
+            except OSError:   # 503 until one of its workers is ready (HTTPError is an OSError)
+                assert time.monotonic() < deadline, "the GPU host never said ready"
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{probes}/healthz", timeout=5) as resp:
+            assert resp.status == 200
+
+
 def test_gpu_host_refuses_an_unknown_edge_key(tmp_path, models, keys):
     port = free_port()
     with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):

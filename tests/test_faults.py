@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -276,3 +277,26 @@ def test_a_worker_that_dies_during_load_answers_unavailable_at_once(cold_models,
         code, after = asyncio.run(main())
         assert code == "unavailable" and after < 5.0, (code, after)
         _wait_ready(srv, "gpu", pid)
+
+
+def _probe(port: int, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_probes_say_alive_and_whether_a_request_would_be_served(server):
+    assert _probe(server.metrics_port, "/healthz") == (200, {"status": "alive"})
+    assert _probe(server.metrics_port, "/readyz") == (200, {"status": "ready"})
+    pid = server.pids("gpu")[0]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while (probe := _probe(server.metrics_port, "/readyz"))[0] == 200:   # its only inference worker is gone
+        assert time.monotonic() < deadline, "/readyz still said ready"
+        time.sleep(0.05)
+    assert probe[0] == 503 and "no inference worker is ready" in probe[1]["reason"], probe
+    _wait_ready(server, "gpu", pid)
+    assert _probe(server.metrics_port, "/readyz")[0] == 200
+    assert _probe(server.metrics_port, "/healthz")[0] == 200
