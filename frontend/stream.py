@@ -226,7 +226,7 @@ async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, bu
         task = asyncio.create_task(reader())
         t0 = time.monotonic()
         speaking_until = 0.0
-        next_burst = t0 + rng.exponential(burst_s * (1 - duty) / max(duty, 1e-6)) if duty > 0 else float("inf")
+        next_burst = t0 + rng.uniform(0, 1.0) if duty > 0 else float("inf")   # speak within the first second
         tick, sent = 0, 0
         step = 1 / fps if pcm is None else 0.02
         while (now := time.monotonic()) - t0 < seconds:
