@@ -122,16 +122,24 @@ def encoder_inputs(mel: np.ndarray) -> np.ndarray:
     return out
 
 
+def window_rows(i: int, n: int) -> list[int]:
+    """Frame i's window as SyncTalk_2D's get_audio_features takes it from n feature rows: rows i-8 .. i+7,
+    -1 (a row of zeros) outside 0 .. n-1."""
+    return [r if 0 <= r < n else -1 for r in range(i - 8, i + 8)]
+
+
+def gather_rows(features: np.ndarray, rows) -> np.ndarray:
+    """[n, 16, F]: each frame's rows of `features` [J, F] (-1: zeros)."""
+    rows = np.asarray(rows)
+    return np.where((rows >= 0)[..., None], features[np.clip(rows, 0, None)], np.float32(0)).astype(np.float32)
+
+
 def frame_windows(features: np.ndarray) -> np.ndarray:
     """Encoder outputs [L, 512] -> every video frame's window [L + 2, 32, 16, 16] (first and last repeated,
     then rows i-8 .. i+7, zeros outside)."""
     padded = np.concatenate([features[:1], features, features[-1:]]).astype(np.float32)
     n = len(padded)
-    out = np.zeros((n, WINDOW_ROWS, padded.shape[1]), np.float32)
-    for i in range(n):
-        lo, hi = max(i - 8, 0), min(i + 8, n)
-        out[i, lo - (i - 8): hi - (i - 8)] = padded[lo:hi]
-    return out.reshape(n, *AUDIO_SHAPE)
+    return gather_rows(padded, [window_rows(i, n) for i in range(n)]).reshape(n, *AUDIO_SHAPE)
 
 
 def frame_count(n_samples: int) -> int:
@@ -223,26 +231,16 @@ class PcmStream:
     def frame_rows(self, i: int) -> list[int]:
         """Frame i's 16 window rows as encoder output indices (-1: a row of zeros)."""
         count = self.encoder_count()
-        padded_len = count + 2 if self.ended else None
-        rows = []
-        for r in range(i - 8, i + 8):
-            if r < 0 or (padded_len is not None and r >= padded_len):
-                rows.append(-1)
-            elif r == 0:
-                rows.append(0)
-            elif padded_len is not None and r == padded_len - 1:
-                rows.append(count - 1)
-            else:
-                rows.append(r - 1)
-        return rows
+        # Rows of the padded outputs [f0, f0 .. f(L-1), f(L-1)]: padded row p is output p-1, clamped. While
+        # the utterance goes on, the padding's end is not known yet and no ready frame reaches it.
+        padded = count + 2 if self.ended else i + 8
+        return [min(max(p - 1, 0), count - 1) if p >= 0 else -1 for p in window_rows(i, padded)]
 
 
 def windows_from_rows(features: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Frame windows [n, 32, 16, 16] from encoder outputs [J, 512] and each frame's row indices [n, 16]
     (into `features`; -1 for zeros)."""
-    rows = np.asarray(rows)
-    out = np.where((rows >= 0)[..., None], features[np.clip(rows, 0, None)], np.float32(0))
-    return out.astype(np.float32).reshape(len(rows), *AUDIO_SHAPE)
+    return gather_rows(features, rows).reshape(len(rows), *AUDIO_SHAPE)
 
 
 def speech(seconds: float = 3.0, seed: int = 0) -> np.ndarray:

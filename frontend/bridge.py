@@ -26,11 +26,12 @@ import zmq
 
 from config import Config
 from config.audio import frame_count
-from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset, mouths_to_uint8, valid_model_id
+from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, mouths_to_uint8, valid_model_id
 from config.keys import make_server, public_keys_in, start_authenticator
 from frontend import probes
 from frontend.engine import (Dispatch, Fail, FreeInput, Kind, ReleaseOutput, Reply, Request, ResetInputs, Scheduler,
                              SendWorker, merge_model_stats)
+from frontend.slots import write_inputs
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
@@ -240,28 +241,15 @@ class BridgeServer:
     def _dispatch(self, action: Dispatch) -> None:
         r, call = action.request, action.request.data
         task: RemoteInfer = call.message
-        ring = self.inputs[action.worker]
-        slot = ring.try_acquire(r.req)
-        if slot is None:
-            raise RuntimeError(f"input ring of worker {action.worker} has no free slot, though the engine counted one")
-        offset, visual = 0, None
-        if task.visual:
-            shape = (task.batch, *VISUAL_SHAPE)
-            ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(call.tensors[0], "<f4").reshape(shape)
-            visual = ring.ref(slot, 0, "float32", shape)
-            offset = audio_offset(task.batch * VISUAL_BYTES)
+        visual = (np.frombuffer(call.tensors[0], "<f4").reshape(task.batch, *VISUAL_SHAPE) if task.visual
+                  else None)
         if task.rows is not None:
-            inputs = np.frombuffer(call.tensors[-1], "<f4").reshape(-1, 1, 80, 16)
-            ring.writable(slot, offset, "float32", inputs.shape)[...] = inputs
-            audio = ring.ref(slot, offset, "float32", inputs.shape)
+            audio = np.frombuffer(call.tensors[-1], "<f4").reshape(-1, 1, 80, 16)
         elif task.pcm:
-            samples = np.frombuffer(call.tensors[-1], "<i2")
-            ring.writable(slot, offset, "int16", samples.shape)[...] = samples
-            audio = ring.ref(slot, offset, "int16", samples.shape)
+            audio = np.frombuffer(call.tensors[-1], "<i2")
         else:
-            a_shape = (task.batch, *task.audio_shape)
-            ring.writable(slot, offset, "float32", a_shape)[...] = np.frombuffer(call.tensors[-1], "<f4").reshape(a_shape)
-            audio = ring.ref(slot, offset, "float32", a_shape)
+            audio = np.frombuffer(call.tensors[-1], "<f4").reshape(task.batch, *task.audio_shape)
+        visual, audio = write_inputs(self.inputs[action.worker], r.req, visual, audio)
         call.tensors = None
         self.to_gpu[action.worker].send(encode(InferTask(
             req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],

@@ -22,10 +22,11 @@ import numpy as np
 import zmq
 
 from frontend import protocol as P
+from frontend.alarm import Alarm
 from frontend.backlog import Backlogs
 from frontend.engine import Kind, Request
-from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME
-from frontend.sessions import WINDOW_ROWS, Session, SessionTable
+from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME, WINDOW_ROWS
+from frontend.sessions import Session, SessionTable
 from frontend.validate import RequestError, Tensors
 from shm.codes import ErrorCode
 
@@ -88,11 +89,11 @@ class Live:
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
-        self._timer: Optional[asyncio.TimerHandle] = None
-        self._timer_at = float("inf")
-        self._pending: dict[tuple, list] = {}          # (model, version, -, format, quality) -> speech frames
-        self._flush_timers: dict = {}                  # batch key or session token -> its flush timer
-        self._pcm_pending: dict[str, list] = {}        # pcm16 session -> frames ready for inference
+        self.pacer = Alarm(self._tick)   # rings when the earliest session frame is due
+        # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
+        # quality) for windows, by session token for pcm16 sessions.
+        self._pending: dict = {}
+        self._flush_timers: dict = {}
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -112,7 +113,7 @@ class Live:
         if op is P.Op.SESSION_AUDIO:
             return self._audio(session, call, payload[0])
         if op is P.Op.SESSION_INTERRUPT:
-            self._pcm_pending.pop(session.token, None)
+            self._pending.pop(session.token, None)
             dropped = session.interrupt()
             return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped))
         if op is P.Op.SESSION_CLOSE:
@@ -194,29 +195,9 @@ class Live:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech reaches {ahead:.1f} s ahead of its "
                                f"stream (sessions.max_ahead_s); send audio in real time", header.id)
         first, frames, ready = session.pcm(bytes(audio), header.last, now)
-        pending = self._pcm_pending.setdefault(session.token, [])
-        pending += ready
-        step = self.fe.config.limits.max_batch
-        while len(pending) >= step:
-            self._infer_pcm(session, pending[:step])
-            del pending[:step]
-        if pending and (header.last or session.token not in self._flush_timers):
-            if header.last:
-                self._flush_pcm(session.token)
-            else:
-                wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
-                self._flush_timers[session.token] = asyncio.get_running_loop().call_later(
-                    wait, self._flush_pcm, session.token)
+        # NOTE: per session (its frames index that utterance's encoder inputs); at `last` nothing more comes.
+        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=header.last)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames))
-
-    def _flush_pcm(self, token: str) -> None:
-        timer = self._flush_timers.pop(token, None)
-        if timer is not None:
-            timer.cancel()
-        pending = self._pcm_pending.pop(token, [])
-        session = self.table.get(token)
-        if pending and session is not None:
-            self._infer_pcm(session, pending)
 
     def _infer_pcm(self, session: Session, items: list) -> None:
         """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
@@ -245,26 +226,35 @@ class Live:
         self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _infer(self, session: Session, frames: list[int], windows: np.ndarray) -> None:
-        """Queue speech frames for inference. Frames of every session on the same model (and output
-        format) go out together, up to limits.max_batch per request: a full batch at once, else after
-        at most one frame period (capped at a quarter of the latency budget). Fewer, larger requests
-        are what keeps many sessions on time: each request holds an input and an output slot."""
+        """Speech windows of every session on the same model (and output format) share a batch."""
         key = self._key(session, -1)
+        items = [(session.token, k, session.background(k), session.due(k), w) for k, w in zip(frames, windows)]
+        self._queue(key, items, lambda part: self._submit_batch(key, part), session)
+
+    def _queue(self, key, items: list, submit, session: Session, now: bool = False) -> None:
+        """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
+        at once, the rest after at most one frame period (capped at a quarter of the latency budget), or
+        at once with `now`. Fewer, larger requests are what keeps many sessions on time: each request
+        holds an input and an output slot."""
         pending = self._pending.setdefault(key, [])
-        pending += [(session.token, k, session.background(k), session.due(k), w) for k, w in zip(frames, windows)]
+        pending += items
         step = self.fe.config.limits.max_batch
         while len(pending) >= step:
-            self._submit_batch(key, pending[:step])
+            submit(pending[:step])
             del pending[:step]
-        if pending and key not in self._flush_timers:
+        if pending and now:
+            self._flush(key, submit)
+        elif pending and key not in self._flush_timers:
             wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
-            self._flush_timers[key] = asyncio.get_running_loop().call_later(wait, self._flush, key)
+            self._flush_timers[key] = asyncio.get_running_loop().call_later(wait, self._flush, key, submit)
 
-    def _flush(self, key: tuple) -> None:
-        self._flush_timers.pop(key, None)
+    def _flush(self, key, submit) -> None:
+        timer = self._flush_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
         pending = self._pending.pop(key, [])
         if pending:
-            self._submit_batch(key, pending)
+            submit(pending)
 
     def _submit_batch(self, key: tuple, items: list) -> None:
         from frontend.server import Call
@@ -281,7 +271,7 @@ class Live:
         self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _close(self, session: Session) -> None:
-        self._pcm_pending.pop(session.token, None)
+        self._pending.pop(session.token, None)
         timer = self._flush_timers.pop(session.token, None)
         if timer is not None:
             timer.cancel()
@@ -378,24 +368,16 @@ class Live:
             self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
     def _arm(self) -> None:
-        when = self.table.next_due()
-        if when is None or when >= self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = asyncio.get_running_loop().call_later(max(when - time.monotonic(), 0), self._tick)
+        self.pacer.arm(self.table.next_due())
 
     def _tick(self) -> None:
-        self._timer, self._timer_at = None, float("inf")
         now = time.monotonic()
-        for session in self.table:
-            if session.due(session.next_index) > now:
-                continue
+        for session in self.table.due(now):
             for frame in session.advance(now):
                 self._send(session, frame, now)
             if session.next_index % max(int(session.fps // 2), 1) == 0:
                 self._prefetch(session)
+            self.table.schedule(session)
         self._arm()
 
     def _send(self, session: Session, frame, now: float) -> None:

@@ -25,9 +25,10 @@ from zmq.utils.monitor import parse_monitor_message
 from config import Config, resolve_path
 from config.assets import frame_index
 from config.audio import frame_audio
-from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset
+from config.geometry import VISUAL_SHAPE
 from config.keys import load_public, make_server, start_authenticator
 from frontend import control
+from frontend.alarm import Alarm
 from frontend import protocol as P
 from frontend.backlog import Backlogs
 from frontend.catalog import Catalog, CatalogError, ModelSpec
@@ -35,6 +36,7 @@ from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, Relea
                              Reply, Request, ResetInputs, Scheduler, SendWorker)
 from frontend.live import Live
 from frontend.metrics import Metrics
+from frontend.slots import write_inputs
 from frontend.state import Client, Tenant
 from frontend.validate import (RequestError, Tensors, check_message, check_pcm, check_request, check_tensors,
                                parse_header)
@@ -117,8 +119,7 @@ class Frontend:
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
         self.backlogs = Backlogs(lim.max_client_backlog_bytes)
         self.live = Live(self)
-        self._timer: Optional[asyncio.TimerHandle] = None
-        self._timer_at = float("inf")
+        self.deadlines = Alarm(self._on_deadline)
         self.metrics.serve(config.metrics.host, config.metrics.port, self.not_ready)
 
     def not_ready(self) -> Optional[str]:
@@ -373,7 +374,7 @@ class Frontend:
                     self._release_images(request.req, request.image_slots)
                     self._fail(Fail(request, ErrorCode.INTERNAL, f"building the reply failed: {type(err).__name__}: "
                                     f"{err}"))
-        self._arm_timer()
+        self.deadlines.arm(self.engine.next_deadline())
 
     def _apply(self, action) -> None:
         if isinstance(action, Dispatch):
@@ -400,31 +401,17 @@ class Frontend:
 
     def _dispatch(self, action: Dispatch) -> None:
         r, call = action.request, action.request.data
-        ring = self.inputs[action.worker]
-        slot = ring.try_acquire(r.req)
-        if slot is None:
-            raise RuntimeError(f"input ring of worker {action.worker} has no free slot, though the engine counted one")
         batch, t = r.batch, call.tensors
-        offset, visual_ref = 0, None
-        if t.visual is not None:
-            shape = (batch, *VISUAL_SHAPE)
-            ring.writable(slot, 0, "float32", shape)[...] = np.frombuffer(t.visual, "<f4").reshape(shape)
-            visual_ref = ring.ref(slot, 0, "float32", shape)
-            offset = audio_offset(batch * VISUAL_BYTES)
+        visual = np.frombuffer(t.visual, "<f4").reshape(batch, *VISUAL_SHAPE) if t.visual is not None else None
         if call.rows is not None:   # encoder inputs [J, 1, 80, 16]; the worker builds windows from call.rows
-            inputs = np.frombuffer(t.audio, "<f4").reshape(-1, 1, 80, 16)
-            ring.writable(slot, offset, "float32", inputs.shape)[...] = inputs
-            audio_ref = ring.ref(slot, offset, "float32", inputs.shape)
+            audio, shape = np.frombuffer(t.audio, "<f4").reshape(-1, 1, 80, 16), None
         elif t.pcm:   # the worker derives each frame's window from the samples (config/audio.py)
-            samples = np.frombuffer(t.audio, "<i2")
-            ring.writable(slot, offset, "int16", samples.shape)[...] = samples
-            audio_ref = ring.ref(slot, offset, "int16", samples.shape)
-        else:
-            a_shape = (batch, *call.spec.audio_shape)
-            audio = np.frombuffer(t.audio, "<f4")
-            ring.writable(slot, offset, "float32", a_shape)[...] = audio.reshape(a_shape if t.audio_per_frame
-                                                                                 else call.spec.audio_shape)
-            audio_ref = ring.ref(slot, offset, "float32", a_shape)
+            audio, shape = np.frombuffer(t.audio, "<i2"), None
+        else:   # [batch, *A], or one window for every frame
+            window = call.spec.audio_shape
+            audio = np.frombuffer(t.audio, "<f4").reshape((batch, *window) if t.audio_per_frame else window)
+            shape = (batch, *window)
+        visual_ref, audio_ref = write_inputs(self.inputs[action.worker], r.req, visual, audio, shape)
         call.tensors = None   # the client's frames are no longer needed
         header = call.header
         self.to_gpu[action.worker].send(encode(InferTask(
@@ -434,17 +421,7 @@ class Frontend:
             version=call.spec.version, rows=call.rows, utterance=call.utterance[0],
             first_input=call.utterance[1])))
 
-    def _arm_timer(self) -> None:
-        when = self.engine.next_deadline()
-        if when is None or when >= self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = asyncio.get_running_loop().call_later(max(when - time.monotonic(), 0), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer, self._timer_at = None, float("inf")
+    def _on_deadline(self) -> None:
         self.apply(self.engine.tick(time.monotonic()))
 
     # -- replies ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ frame j's window from rows j-8 .. j+7 (zeros outside the utterance), as SyncTalk
 
 from __future__ import annotations
 
+import heapq
 import math
 import secrets
 from collections import deque
@@ -24,9 +25,8 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from config.assets import frame_index
-from config.audio import SAMPLES_PER_FRAME, PcmStream, frame_audio
+from config.audio import SAMPLES_PER_FRAME, WINDOW_ROWS, PcmStream, frame_audio, gather_rows, window_rows
 
-WINDOW_ROWS = 16          # get_audio_features: rows j-8 .. j+7
 LOOKAHEAD = 7
 PCM_LOOKAHEAD_FRAMES = 12  # pcm16: frame i's window needs 7,240 samples past its start (config/audio.PcmStream)
 
@@ -144,12 +144,7 @@ class Session:
         return first, out
 
     def _window(self, j: int) -> np.ndarray:
-        n, (rows, width) = len(self._rows), self.feature_shape
-        out = np.zeros((rows, width), np.float32)
-        lo, hi = max(j - 8, 0), min(j + 8, n)
-        if hi > lo:
-            out[lo - (j - 8): hi - (j - 8)] = np.stack(self._rows[lo:hi])
-        return out
+        return gather_rows(np.stack(self._rows), [window_rows(j, len(self._rows))])[0]
 
     def pcm(self, chunk: bytes, last: bool, now: float):
         """pcm16 mode: a chunk of 16 kHz int16 PCM. Returns (first frame its audio plays in, frames it
@@ -243,12 +238,13 @@ class SessionTable:
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
         self._by_token: dict[str, Session] = {}
+        # (due time of its next frame, token): one entry per open session; closed ones are skipped lazily.
+        # NOTE: the pacer rings once per due frame of every session, so finding the due sessions must
+        # not cost a pass over all of them.
+        self._due: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._by_token)
-
-    def __iter__(self):
-        return iter(list(self._by_token.values()))
 
     @staticmethod
     def new_token() -> str:
@@ -256,6 +252,20 @@ class SessionTable:
 
     def add(self, session: Session) -> None:
         self._by_token[session.token] = session
+        self.schedule(session)
+
+    def schedule(self, session: Session) -> None:
+        """Queue the session for when its next frame is due (after it has sent what was due)."""
+        heapq.heappush(self._due, (session.due(session.next_index), session.token))
+
+    def due(self, now: float) -> list[Session]:
+        """The open sessions with a frame due by `now`, taken off the queue (schedule them again)."""
+        out = []
+        while self._due and self._due[0][0] <= now:
+            session = self._by_token.get(heapq.heappop(self._due)[1])
+            if session is not None:
+                out.append(session)
+        return out
 
     def get(self, token: str) -> Optional[Session]:
         return self._by_token.get(token)
@@ -267,4 +277,6 @@ class SessionTable:
         return [s for s in self._by_token.values() if s.conn == conn]
 
     def next_due(self) -> Optional[float]:
-        return min((s.due(s.next_index) for s in self._by_token.values()), default=None)
+        while self._due and self._due[0][1] not in self._by_token:
+            heapq.heappop(self._due)
+        return self._due[0][0] if self._due else None
