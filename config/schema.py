@@ -134,6 +134,13 @@ class AudioConfig(_Section):
     encoder: Optional[str] = None          # the ave audio encoder shared by models without their own
 
 
+class H264Config(_Section):
+    bitrate: Annotated[int, msgspec.Meta(ge=50_000, le=50_000_000)] = 600_000
+    preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium"] = "ultrafast"
+    gop: Annotated[int, msgspec.Meta(ge=1, le=600)] = 50
+    idle_loop: bool = True
+
+
 class SessionsConfig(_Section):
     fps: Annotated[float, msgspec.Meta(gt=0, le=60)] = 25.0
     max_sessions: PosInt = 256
@@ -143,6 +150,20 @@ class SessionsConfig(_Section):
     max_queued_frames: PosInt = 50
     idle_cache_bytes: Annotated[int, msgspec.Meta(ge=1024 * 1024)] = 256 * 1024 * 1024
     start_delay_ms: Annotated[int, msgspec.Meta(ge=0, le=5000)] = 200
+    h264: H264Config = H264Config()
+
+
+class IceServer(_Section):
+    urls: tuple[str, ...]
+    username: Optional[str] = None
+    credential: Optional[str] = None
+
+
+class ViewerConfig(_Section):
+    port: Port = 8080
+    host: str = "127.0.0.1"
+    public_url: Optional[str] = None
+    ice_servers: tuple[IceServer, ...] = ()
 
 
 class DemoConfig(_Section):
@@ -167,5 +188,6 @@ class Config(_Section):
     audio: AudioConfig = AudioConfig()
     demo: DemoConfig = DemoConfig()
     bridge: BridgeConfig = BridgeConfig()
+    viewer: ViewerConfig = ViewerConfig()
     # Where the file came from: relative paths in it resolve against this directory.
     base_dir: str = "."

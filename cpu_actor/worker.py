@@ -23,11 +23,13 @@ import zmq
 from config import Config
 from config.assets import AssetCache, AssetError
 from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.h264 import Encoders, apply_box, encode_frame, open_encoder, pack_box, to_i420
 from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, ReleaseImages, RenderIdle, ResetRequests, decode
+from shm.messages import (CloseEncoder, CompositeDone, CompositeTask, EncodeFrames, EncodeLoop, ReleaseImages,
+                          RenderIdle, ResetRequests, decode)
 from shm.messages import encode as encode_msg
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
@@ -50,6 +52,8 @@ class Compositor:
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
+        self.encoders = Encoders()            # live H.264 sessions pinned to this process
+        self.loops: deque = deque()           # EncodeLoop tasks in progress: (task, frames encoded so far)
         self._stopping = False
         self._preload = self._preload_frames(len(run.endpoints.cpu))
 
@@ -73,18 +77,26 @@ class Compositor:
                 yield model, frame, assets
 
     def run(self) -> None:
+        handlers = {CompositeTask: self._composite, RenderIdle: self._render_idle, EncodeFrames: self._encode}
         while not self._stopping:
             if self.backlog:
                 task = self.backlog.popleft()
-                (self._render_idle if isinstance(task, RenderIdle) else self._composite)(task)
-            elif self.tasks.poll(0 if self._preload is not None else 1000):
+                handlers[type(task)](task)
+            elif self.tasks.poll(0 if self._preload is not None or self.loops else 1000):
                 self._dispatch(decode(self.tasks.recv()))
+            elif self.loops:
+                self._loop_step()   # one frame of an idle loop between tasks: a live frame waits one encode at most
             else:
                 self._preload_one()
+                self.encoders.expire()
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, (CompositeTask, RenderIdle)):
+        if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
             self.backlog.append(msg)
+        elif isinstance(msg, EncodeLoop):
+            self.loops.append((msg, None, []))
+        elif isinstance(msg, CloseEncoder):
+            self.encoders.close(msg.session)
         elif isinstance(msg, ReleaseImages):
             self.images.release_request(msg.req)
         elif isinstance(msg, ResetRequests):
@@ -129,6 +141,11 @@ class Compositor:
             targets, images = self._targets(task, assets.height, assets.width)
             encoded, hits = [], 0
             for i, (frame, mouth) in enumerate(zip(task.frames, mouths_u8)):
+                if task.format == "i420":   # an H.264 session's frame: only its face box, in I420 (cpu_actor/h264.py)
+                    i420, crop, hit = self._i420(assets, frame)
+                    hits += hit
+                    encoded.append(pack_box(i420, assets.width, assets.height, crop, mouth, assets.rects[frame]))
+                    continue
                 background, crop, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f),
                                                          out=None if targets is None else targets[i])
                 hits += hit
@@ -190,6 +207,67 @@ class Compositor:
         reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                                         height=assets.height, hits=hits, misses=len(task.frames) - hits)
         self.to_frontend.send_multipart([encode_msg(reply), *encoded], copy=False)
+
+    def _i420(self, assets, frame: int):
+        """(I420 background copy, crop copy, hit): converted once per frame, kept in the shared store."""
+        def load():
+            background, crop = assets.decode(frame)
+            return to_i420(background), crop
+        return self.store.fetch(assets.store_id + "#i420", frame, load)
+
+    def _encode(self, task: EncodeFrames) -> None:
+        """A live H.264 session's frames, in order, with its own encoder."""
+        t0 = time.perf_counter()
+        reply = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(task.items), ok=True)
+        try:
+            assets = self.assets.get(task.model, task.version)
+            assets.check_frames([item.frame for item in task.items])
+            s = task.settings
+            ctx, _ = self.encoders.get(task.session, (assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop))
+            units = []
+            for item in task.items:
+                i420, _, _ = self._i420(assets, item.frame)
+                if item.box:
+                    apply_box(i420, assets.width, assets.height, item.box)
+                units.append(encode_frame(ctx, i420, item.index, item.idr))
+        except Exception as err:  # this request fails; the session's next frames start a new encoder
+            self.encoders.close(task.session)
+            bad = isinstance(err, (AssetError, StoreError, ValueError))
+            if not bad:
+                log.exception("encoding a frame of session %s failed", task.session)
+            reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST if bad else ErrorCode.INTERNAL,
+                                            message=f"encoding H.264 for model {task.model}: {err}")
+            self.to_frontend.send(encode_msg(reply))
+            return
+        reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
+                                        height=assets.height)
+        self.to_frontend.send_multipart([encode_msg(reply), *units], copy=False)
+
+    def _loop_step(self) -> None:
+        """Encode the next frame of the oldest idle-loop task; reply when it is whole."""
+        task, ctx, units = self.loops[0]
+        try:
+            assets = self.assets.get(task.model, task.version)
+            if ctx is None:
+                assets.check_frames(task.frames)
+                s = task.settings
+                ctx = open_encoder(assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop)
+                self.loops[0] = (task, ctx, units)
+            i420, _, _ = self._i420(assets, task.frames[len(units)])
+            units.append(encode_frame(ctx, i420, len(units), not units))
+        except Exception as err:
+            self.loops.popleft()
+            if not isinstance(err, (AssetError, StoreError, ValueError)):
+                log.exception("encoding the idle loop of model %s failed", task.model)
+            self.to_frontend.send(encode_msg(CompositeDone(
+                req=task.req, compositor=self.index, start=0, end=len(task.frames), ok=False,
+                code=ErrorCode.BAD_REQUEST, message=f"encoding the idle loop of model {task.model}: {err}")))
+            return
+        if len(units) == len(task.frames):
+            self.loops.popleft()
+            done = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(units), ok=True,
+                                 width=assets.width, height=assets.height)
+            self.to_frontend.send_multipart([encode_msg(done), *units], copy=False)
 
     def _targets(self, task: CompositeTask, height: int, width: int):
         """Raw format: (writable frames in an image slot, their handle); else (None, None)."""

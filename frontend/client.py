@@ -304,12 +304,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     stream.add_argument("--pcm", nargs="?", const="demo", default=None, metavar="FILE.wav",
                         help="speak this 16 kHz mono WAV (alone: a generated speech-like utterance, the demo's) "
                              "instead of random feature windows")
+    stream.add_argument("--format", choices=["jpeg", "png", "raw", "h264"], default="jpeg",
+                        help="h264: one Annex-B access unit per frame; --out then writes one .h264 file per session")
+    stream.add_argument("--webrtc", action="store_true",
+                        help="(h264) watch it in a browser: prints each session's viewer URL; frames go there")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "stream":
+            if args.webrtc and args.format != "h264":
+                parser.error("--webrtc needs --format h264")
             from frontend.stream import print_stream, run_stream
             print_stream(asyncio.run(run_stream(args.endpoint, args.model, args.seconds, args.duty, args.sessions,
-                                                args.out, pcm=args.pcm)))
+                                                args.out, pcm=args.pcm, format=args.format,
+                                                webrtc=args.webrtc)))
             return 0
         if args.cmd == "composite":
             return _cmd_composite(args)

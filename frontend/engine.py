@@ -39,7 +39,7 @@ class Kind(str, enum.Enum):
     UNLOAD = "unload"        # every ready worker
     STATS = "stats"          # every ready worker; answered after stats_timeout_s with what came
     WARM = "warm"            # the engine's own load of a model that queued requests wait for
-    IDLE = "idle"            # background frames encoded by a compositor, no inference (live sessions)
+    IDLE = "idle"            # compositor work with no inference: idle frames, H.264 encodes (live sessions)
 
 
 class State(str, enum.Enum):
@@ -75,6 +75,7 @@ class Request:
     size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
     gather_deadline: float = float("inf")
     pin: int = 0                          # LOAD: +1 keeps the model loaded on that worker (a live session)
+    compositor: Optional[int] = None      # IDLE: only this compositor (an H.264 session's encoder lives there)
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -284,6 +285,8 @@ class Scheduler:
 
     def _render(self, r: Request) -> list[Action]:
         ready = [i for i, c in enumerate(self.compositors) if c.ready]
+        if r.compositor is not None:
+            ready = [r.compositor] if r.compositor in ready else []
         if not ready:
             return self._finish(r, ErrorCode.UNAVAILABLE, "no compositing process is ready (restarting)")
         c = min(ready, key=lambda i: (len(self.compositors[i].active), i))

@@ -26,9 +26,11 @@ from frontend.alarm import Alarm
 from frontend.backlog import Backlogs
 from frontend.engine import Kind, Request
 from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME, WINDOW_ROWS
+from frontend.live_h264 import H264Live
 from frontend.sessions import Session, SessionTable
 from frontend.validate import RequestError, Tensors
 from shm.codes import ErrorCode
+from shm.messages import RenderIdle
 
 if TYPE_CHECKING:
     from frontend.server import Call, Frontend
@@ -67,19 +69,21 @@ class IdleCache:
         self.rendering: set[tuple] = set()
 
     def get(self, key: tuple) -> Optional[bytes]:
-        image = self._frames.get(key)
-        if image is not None:
-            self._frames.move_to_end(key)
-        return image
+        entry = self._frames.get(key)
+        if entry is None:
+            return None
+        self._frames.move_to_end(key)
+        return entry[0]
 
-    def put(self, key: tuple, image: bytes) -> None:
+    def put(self, key: tuple, image, size: Optional[int] = None) -> None:
+        """`image`: bytes, or any value with its `size` in bytes (an H.264 idle loop chunk)."""
         if key in self._frames:
             return
-        self._frames[key] = image
-        self.bytes += len(image)
+        self._frames[key] = (image, len(image) if size is None else size)
+        self.bytes += self._frames[key][1]
         while self.bytes > self.max_bytes and len(self._frames) > 1:
-            _, old = self._frames.popitem(last=False)
-            self.bytes -= len(old)
+            _, (_, old) = self._frames.popitem(last=False)
+            self.bytes -= old
 
 
 class Live:
@@ -90,6 +94,7 @@ class Live:
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self.pacer = Alarm(self._tick)   # rings when the earliest session frame is due
+        self.h264 = H264Live(self)
         # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
         # quality) for windows, by session token for pcm16 sessions.
         self._pending: dict = {}
@@ -112,6 +117,12 @@ class Live:
                                call.header.id)
         if op is P.Op.SESSION_AUDIO:
             return self._audio(session, call, payload[0])
+        if op is P.Op.SESSION_KEYFRAME:
+            if session.h264 is None:
+                raise RequestError(ErrorCode.BAD_REQUEST, "session_keyframe: this session is not h264 (open it with "
+                                   "format: h264)", call.header.id)
+            return P.encode(P.SessionKeyframeReply(id=call.header.id, session=session.token,
+                                                   frame=self.h264.keyframe(session)))
         if op is P.Op.SESSION_INTERRUPT:
             self._pending.pop(session.token, None)
             dropped = session.interrupt()
@@ -134,23 +145,34 @@ class Live:
         if mode == "features" and elements % WINDOW_ROWS:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.audio: model {spec.id}'s audio window "
                                f"{list(spec.audio_shape)} is not 16 feature vectors; use audio: window", header.id)
+        fmt = header.format or self.fe.config.output.format
+        if fmt == "h264" and (spec.width % 2 or spec.height % 2):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.format: h264 needs even frame sizes; model {spec.id}'s "
+                               f"frames are {spec.width}x{spec.height}", header.id)
+        if header.webrtc and self.fe.viewer is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
+                               "or its role is gpu)", header.id)
         fps = header.fps or self.cfg.fps
         now = time.monotonic()
         session = Session(self.table.new_token(), spec.id, call.client.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
                           max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
                           (WINDOW_ROWS, elements // WINDOW_ROWS), data=call)
+        if fmt == "h264":
+            self.h264.open(session)
         self.table.add(session)
         self.fe.metrics.sessions_open.set(len(self.table))
+        viewer_url = self.fe.viewer.open(session) if header.webrtc else None
         # The model is loaded now (not at the first speech) and kept loaded while the session is open.
         pin = Request(Kind.LOAD, spec.id, deadline=now + self.fe.config.limits.request_timeout_s,
                       data=Pin(session.token), pin=1)
         self.fe.apply(self.fe.engine.submit(pin, now))
         self._prefetch(session)
-        self._arm()
+        self.arm()
         return P.encode(P.SessionOpenReply(
             id=header.id, session=session.token, fps=fps, width=spec.width, height=spec.height,
-            audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame))
+            audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame,
+            format=fmt, viewer_url=viewer_url))
 
     def _audio(self, session: Session, call: Call, audio) -> bytes:
         spec = session.data.spec
@@ -277,9 +299,19 @@ class Live:
             timer.cancel()
         if session.pinned_worker is not None:
             self.fe.apply(self.fe.engine.unpin(session.pinned_worker, session.model))
+        if session.h264 is not None:
+            self.h264.close(session)
+        if self.fe.viewer is not None:
+            self.fe.viewer.close(session.token)
         self.table.pop(session.token)
         self.queued.closed(session.token)
         self.fe.metrics.sessions_open.set(len(self.table))
+
+    def request_keyframe(self, token: str) -> None:
+        """The viewer asks for an IDR (a new browser, or one that lost a picture)."""
+        session = self.table.get(token)
+        if session is not None and session.h264 is not None:
+            self.h264.keyframe(session)
 
     def client_gone(self, conn) -> None:
         for session in self.table.on_conn(conn):
@@ -291,8 +323,18 @@ class Live:
         """The engine requests live sessions make: speech batches, idle renders, model pins."""
         return r.kind is Kind.IDLE or isinstance(r.data, Pin) or getattr(r.data, "targets", None) is not None
 
+    def render_message(self, r: Request):
+        """The message an engine `idle` request sends to its compositor."""
+        render = r.data
+        if not isinstance(render, IdleRender):
+            return self.h264.render_message(r)
+        return RenderIdle(req=r.req, model=render.model, frames=render.frames, format=render.format,
+                          quality=render.quality, deadline=r.deadline, version=render.version)
+
     def done(self, r: Request) -> None:
-        if r.kind is Kind.IDLE:
+        if r.kind is Kind.IDLE and not isinstance(r.data, IdleRender):
+            self.h264.done(r)
+        elif r.kind is Kind.IDLE:
             self.idle_done(r)
         elif isinstance(r.data, Pin):
             session = self.table.get(r.data.token)
@@ -305,7 +347,9 @@ class Live:
             self.speech_done(r)
 
     def failed(self, r: Request, message: str) -> None:
-        if r.kind is Kind.IDLE:
+        if r.kind is Kind.IDLE and not isinstance(r.data, IdleRender):
+            self.h264.failed(r, message)
+        elif r.kind is Kind.IDLE:
             self.idle_failed(r, message)
         elif isinstance(r.data, Pin):
             log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
@@ -318,6 +362,8 @@ class Live:
         if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
             images = [bytes(img) for img in images]
             self.fe._release_images(r.req, r.image_slots)
+        elif r.data.header.format == "i420":   # H.264 face boxes: they go on to the session's encoder
+            images = [img.bytes if isinstance(img, zmq.Frame) else bytes(img) for img in images]
         for (token, k), image in zip(r.data.targets, images):
             session = self.table.get(token)
             if session is not None:
@@ -348,10 +394,15 @@ class Live:
         header, spec = session.data.header, session.data.spec
         fmt = header.format or self.fe.config.output.format
         quality = header.quality or self.fe.config.output.quality
+        if fmt == "h264":   # speech frames are composited into face boxes, the session's encoder does the rest
+            fmt = "i420"
         return (spec.id, spec.version, background, fmt, quality)
 
     def _prefetch(self, session: Session) -> None:
         """Ask the compositors for the idle frames this session needs in the next PREFETCH_S."""
+        if session.h264 is not None:
+            self.h264.prefetch(session)
+            return
         missing = []
         for background in session.upcoming(math.ceil(PREFETCH_S * session.fps)):
             key = self._key(session, background)
@@ -367,47 +418,53 @@ class Live:
                               data=render)
             self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
         self.pacer.arm(self.table.next_due())
 
     def _tick(self) -> None:
         now = time.monotonic()
         for session in self.table.due(now):
-            for frame in session.advance(now):
-                self._send(session, frame, now)
+            if session.h264 is not None:
+                self.h264.tick(session, now)
+            for frame in session.advance(now) if session.h264 is None else ():
+                self.send(session, frame, now)
             if session.next_index % max(int(session.fps // 2), 1) == 0:
                 self._prefetch(session)
             self.table.schedule(session)
-        self._arm()
+        self.arm()
 
-    def _send(self, session: Session, frame, now: float) -> None:
+    def send(self, session: Session, frame, now: float, keyframe: bool = False) -> bool:
+        """Send one frame to the session's client (and viewer); False if it was dropped."""
         image = frame.image
         if image is None:
             image = self.idle.get(self._key(session, frame.background))
             if image is None:   # not encoded yet (a cold start): repeat the last frame sent
                 image = session.last_image
+        metrics = self.fe.metrics
         if image is None:
             session.stats.dropped += 1
-            self.fe.metrics.session_frames.labels("skipped").inc()
-            return
-        metrics = self.fe.metrics
-        entry = self.queued.admit(session.token, 1)
-        if entry is None:   # the client is not reading: frames past sessions.max_queued_frames go
-            session.stats.dropped += 1
-            metrics.session_frames.labels("dropped").inc()
-            return
-        header = P.encode(P.FrameEvent(session=session.token, index=frame.index, pts_ms=frame.index * 1000 / session.fps,
-                                       kind=frame.kind, frame=frame.background))
-        data = [image]
+            metrics.session_frames.labels("skipped").inc()
+            return False
+        audio = None
         if session.audio_mode == "pcm16":   # every frame carries its 40 ms of audio: silence when idle
-            data.append(frame.audio if frame.audio is not None else SILENCE)
-        if not self.fe._send(session.data.client, header, data, also=entry):
-            session.stats.dropped += 1
-            metrics.session_frames.labels("dropped").inc()
-            return
+            audio = frame.audio if frame.audio is not None else SILENCE
+        if session.viewer:   # webrtc sessions stream to the viewer, not to the client
+            self.fe.viewer.push(session, frame, image, audio, keyframe)
+        else:
+            entry = self.queued.admit(session.token, 1)
+            header = P.encode(P.FrameEvent(session=session.token, index=frame.index,
+                                           pts_ms=frame.index * 1000 / session.fps, kind=frame.kind,
+                                           frame=frame.background, keyframe=keyframe))
+            # entry None: the client is not reading; frames past sessions.max_queued_frames go
+            if entry is None or not self.fe._send(session.data.client, header,
+                                                  [image] if audio is None else [image, audio], also=entry):
+                session.stats.dropped += 1
+                metrics.session_frames.labels("dropped").inc()
+                return False
         session.last_image = image
         session.sent(frame, now)
         metrics.session_frames.labels(frame.kind).inc()
         metrics.session_lateness.observe(max((now - frame.due) * 1000, 0.0))
         if frame.kind == "idle" and frame.missed:
             metrics.session_frames.labels("missed").inc()
+        return True

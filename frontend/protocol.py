@@ -31,15 +31,18 @@ class Op(str, enum.Enum):
     SESSION_INTERRUPT = "session_interrupt"
     SESSION_CLOSE = "session_close"
     SESSION_STATS = "session_stats"
+    SESSION_KEYFRAME = "session_keyframe"
 
 
 MODEL_OPS = frozenset({Op.LOAD, Op.UNLOAD, Op.INFER, Op.COMPOSITE, Op.SESSION_OPEN})
 TENSOR_OPS = frozenset({Op.INFER, Op.COMPOSITE})
-SESSION_OPS = frozenset({Op.SESSION_AUDIO, Op.SESSION_INTERRUPT, Op.SESSION_CLOSE, Op.SESSION_STATS})
+SESSION_OPS = frozenset({Op.SESSION_AUDIO, Op.SESSION_INTERRUPT, Op.SESSION_CLOSE, Op.SESSION_STATS,
+                         Op.SESSION_KEYFRAME})
 
 
 RequestId = Union[str, int, None]
 ImageFormat = Literal["jpeg", "png", "raw"]
+FrameFormat = Literal["jpeg", "png", "raw", "h264"]     # h264: live sessions only
 
 
 class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -48,7 +51,7 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     model: Optional[Annotated[str, msgspec.Meta(pattern=MODEL_ID_PATTERN)]] = None
     batch: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
     start_frame: Annotated[int, msgspec.Meta(ge=0)] = 0
-    format: Optional[ImageFormat] = None
+    format: Optional[FrameFormat] = None
     quality: Optional[Annotated[int, msgspec.Meta(ge=1, le=100)]] = None
     timeout_ms: Optional[Annotated[int, msgspec.Meta(ge=1)]] = None
     audio_format: Literal["float32", "pcm16"] = "float32"   # pcm16: 16 kHz mono int16 LE speech (ave models)
@@ -58,6 +61,7 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     fps: Optional[Annotated[float, msgspec.Meta(gt=0, le=60)]] = None
     audio: Optional[Literal["window", "features", "pcm16"]] = None
     last: bool = False
+    webrtc: bool = False            # session_open (h264): also stream it to a browser through the viewer
 
 
 # -- replies ----------------------------------------------------------------------------------
@@ -169,6 +173,8 @@ class SessionOpenReply(msgspec.Struct, kw_only=True):
     audio_shape: list[int]
     feature_shape: list[int]        # features mode: one vector per frame is [F]; windows are [16, F]
     start_frame: int
+    format: FrameFormat = "jpeg"
+    viewer_url: Optional[str] = None   # webrtc: the page that plays this session (valid while it is open)
 
 
 class SessionAudioReply(msgspec.Struct, kw_only=True):
@@ -184,6 +190,13 @@ class SessionInterruptReply(msgspec.Struct, kw_only=True):
     id: RequestId = None
     session: str
     dropped: int
+
+
+class SessionKeyframeReply(msgspec.Struct, kw_only=True):
+    ok: bool = True
+    id: RequestId = None
+    session: str
+    frame: int                      # the first frame that can be the IDR (frames before it are encoded)
 
 
 class SessionStatsReply(msgspec.Struct, kw_only=True):
@@ -211,6 +224,7 @@ class FrameEvent(msgspec.Struct, kw_only=True):
     pts_ms: float
     kind: Literal["speech", "idle"]
     frame: int                        # background frame index
+    keyframe: bool = False            # h264: this access unit starts with an IDR (decoding can start here)
 
 
 class SessionEvent(msgspec.Struct, kw_only=True):

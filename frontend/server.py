@@ -35,6 +35,7 @@ from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Render,
                              Reply, Request, ResetInputs, Scheduler, SendWorker)
 from frontend.live import Live
+from frontend.viewer import Viewer
 from frontend.metrics import Metrics
 from frontend.slots import write_inputs
 from frontend.state import Client, Tenant
@@ -44,7 +45,7 @@ from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeDone, InferDone, InferTask, LoadDone, ModelEvent, ProcessEvent, ReleaseTask,
-                          RenderIdle, StatsReport, decode, encode)
+                          StatsReport, decode, encode)
 from shm.messages import ReleaseImages as ReleaseImagesMsg
 from shm.ring import SlotRing, StaleHandle
 
@@ -119,6 +120,8 @@ class Frontend:
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
         self.backlogs = Backlogs(lim.max_client_backlog_bytes)
         self.live = Live(self)
+        # The WebRTC viewer: started with the event loop (_main); None when viewer.port is 0.
+        self.viewer = Viewer(config.viewer, self.live.request_keyframe) if config.viewer.port else None
         self.deadlines = Alarm(self._on_deadline)
         self.metrics.serve(config.metrics.host, config.metrics.port, self.not_ready)
 
@@ -180,6 +183,12 @@ class Frontend:
         deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S
         while not self.engine.synced() and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.01)
+        if self.viewer is not None:
+            try:
+                await self.viewer.start()
+            except OSError as err:
+                raise RuntimeError(f"the WebRTC viewer cannot listen on {self.config.viewer.host}:"
+                                   f"{self.config.viewer.port} ({err}); change viewer.port, or 0 for none") from None
         readers = [asyncio.create_task(self._read_clients(i, s)) for i, s in enumerate(self.clients)]
         readers += [asyncio.create_task(self._watch_connections(i, m)) for i, m in enumerate(self.monitors)]
         while not self._stopping:
@@ -191,6 +200,8 @@ class Frontend:
         while len(self.engine.table) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.apply(self.engine.shutdown("the server is shutting down; retry on another server"))
+        if self.viewer is not None:
+            await self.viewer.stop()
         internal.cancel()
 
     async def _read_clients(self, index: int, sock) -> None:
@@ -382,10 +393,7 @@ class Frontend:
         elif isinstance(action, SendWorker):
             self.to_gpu[action.worker].send(encode(action.message))
         elif isinstance(action, Render):
-            render = action.request.data
-            self.to_cpu[action.compositor].send(encode(RenderIdle(
-                req=action.request.req, model=render.model, frames=render.frames, format=render.format,
-                quality=render.quality, deadline=action.request.deadline, version=render.version)))
+            self.to_cpu[action.compositor].send(encode(self.live.render_message(action.request)))
         elif isinstance(action, FreeInput):
             self.inputs[action.worker].release_request(action.req)
         elif isinstance(action, ReleaseOutput):

@@ -95,6 +95,9 @@ class Session:
         self._utterances = 0
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
+        self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
+        self.h264: Any = None                # h264 sessions: their frontend.h264.H264Stream
+        self.viewer = False                  # webrtc: frames go to the viewer (frontend/viewer.py)
 
     def due(self, k: int) -> float:
         return self.t0 + k / self.fps
@@ -202,9 +205,9 @@ class Session:
                 speech.failed = True
 
     def advance(self, now: float) -> list[Outgoing]:
-        """Every frame due by `now`, in order: speech when ready, else idle (speech missed)."""
+        """Every frame due by `now` + `ahead`, in order: speech when ready, else idle (speech missed)."""
         out = []
-        while self.due(self.next_index) <= now:
+        while self.due(self.next_index) - self.ahead <= now:
             k = self.next_index
             speech = self.speech.pop(k, None)
             if speech is not None and speech.image is not None:
@@ -256,19 +259,27 @@ class SessionTable:
 
     def schedule(self, session: Session) -> None:
         """Queue the session for when its next frame is due (after it has sent what was due)."""
-        heapq.heappush(self._due, (session.due(session.next_index), session.token))
+        heapq.heappush(self._due, (session.due(session.next_index) - session.ahead, session.token))
+
+    def wake(self, session: Session, when: float) -> None:
+        """Also take the session off the queue at `when` (an H.264 unit waiting to be sent)."""
+        heapq.heappush(self._due, (when, session.token))
 
     def due(self, now: float) -> list[Session]:
         """The open sessions with a frame due by `now`, taken off the queue (schedule them again)."""
-        out = []
+        out = {}
         while self._due and self._due[0][0] <= now:
-            session = self._by_token.get(heapq.heappop(self._due)[1])
+            token = heapq.heappop(self._due)[1]
+            session = self._by_token.get(token)
             if session is not None:
-                out.append(session)
-        return out
+                out[token] = session   # once, however many times it was queued
+        return list(out.values())
 
     def get(self, token: str) -> Optional[Session]:
         return self._by_token.get(token)
+
+    def sessions(self) -> list[Session]:
+        return list(self._by_token.values())
 
     def pop(self, token: str) -> Optional[Session]:
         return self._by_token.pop(token, None)

@@ -39,9 +39,9 @@ def _frame(frames: list) -> Frame:
 
 
 def _open_fields(model: str, format: str, quality: Optional[int], fps: Optional[float], start_frame: int,
-                 audio: str) -> dict:
+                 audio: str, webrtc: bool = False) -> dict:
     return {"model": model, "format": format, "quality": quality, "fps": fps, "start_frame": start_frame,
-            "audio": audio}
+            "audio": audio, "webrtc": webrtc or None}
 
 
 class Session:
@@ -49,12 +49,13 @@ class Session:
 
     def __init__(self, endpoint: str, model: str, *, format: str = "jpeg", quality: Optional[int] = None,
                  fps: Optional[float] = None, start_frame: int = 0, audio: str = "window", timeout_s: float = 30.0,
-                 curve: Optional[dict] = None):
+                 curve: Optional[dict] = None, webrtc: bool = False):
         self.timeout_s = timeout_s
         self._sock = _new_socket(zmq.Context.instance(), endpoint, curve)
         self._ids = itertools.count(1)
         self._frames: deque[Frame] = deque()
-        self.info = self._request("session_open", **_open_fields(model, format, quality, fps, start_frame, audio))
+        self.info = self._request("session_open", **_open_fields(model, format, quality, fps, start_frame, audio,
+                                                                  webrtc))
         self.token: str = self.info["session"]
         self.closed = False
 
@@ -103,6 +104,10 @@ class Session:
 
     def interrupt(self) -> int:
         return self._request("session_interrupt", session=self.token)["dropped"]
+
+    def keyframe(self) -> int:
+        """h264: the next frame decided is an IDR; returns its index."""
+        return self._request("session_keyframe", session=self.token)["frame"]
 
     def stats(self) -> dict:
         return self._request("session_stats", session=self.token)
@@ -170,6 +175,9 @@ class AsyncSession:
     async def interrupt(self) -> int:
         return (await self._request("session_interrupt", session=self.token))["dropped"]
 
+    async def keyframe(self) -> int:
+        return (await self._request("session_keyframe", session=self.token))["frame"]
+
     async def stats(self) -> dict:
         return await self._request("session_stats", session=self.token)
 
@@ -193,15 +201,20 @@ def read_wav(path: str) -> np.ndarray:
 
 
 async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, burst_s: float, seed: int,
-                      out: Optional[Path], progress: dict, pcm: Optional[np.ndarray] = None) -> dict:
+                      out: Optional[Path], progress: dict, pcm: Optional[np.ndarray] = None, format: str = "jpeg",
+                      webrtc: bool = False) -> dict:
     """A session that speaks `duty` of the time in bursts of about `burst_s`, audio sent in real time
     (one frame's window per frame period; or with `pcm`, the utterance in 20-ms chunks, once per
     burst), frames read as they come."""
     rng = np.random.default_rng(seed)
     if pcm is not None:
         burst_s = len(pcm) / 16000
-    async with AsyncSession(endpoint, model, audio="pcm16" if pcm is not None else "window") as s:
+    async with AsyncSession(endpoint, model, audio="pcm16" if pcm is not None else "window", format=format,
+                            webrtc=webrtc) as s:
+        if webrtc:
+            print(f"session {seed}: watch it at {s.info['viewer_url']}", flush=True)
         fps = s.info["fps"]
+        video = (out / f"s{seed}.h264").open("wb") if out is not None and format == "h264" else None
         shape = s.info["audio_shape"]
         on_time = late = received = 0
         first: Optional[tuple[float, int]] = None
@@ -220,8 +233,11 @@ async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, bu
                 else:
                     late += 1
                 progress[seed] = received
-                if out is not None:
-                    (out / f"s{seed}-{header['index']:06d}-{header['kind']}.jpg").write_bytes(image)
+                if video is not None:
+                    video.write(image)
+                elif out is not None:
+                    ext = "jpg" if format == "jpeg" else format
+                    (out / f"s{seed}-{header['index']:06d}-{header['kind']}.{ext}").write_bytes(image)
 
         task = asyncio.create_task(reader())
         t0 = time.monotonic()
@@ -244,12 +260,14 @@ async def _one_stream(endpoint: str, model: str, seconds: float, duty: float, bu
             await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
         stats = await s.close()
         task.cancel()
+        if video is not None:
+            video.close()
     return {"received": received, "on_time": on_time, "late": late, **stats}
 
 
 async def run_stream(endpoint: str, model: str, seconds: float, duty: float, sessions: int = 1,
                      out: Optional[str] = None, burst_s: float = 3.0, quiet: bool = False,
-                     pcm: Optional[str] = None) -> list[dict]:
+                     pcm: Optional[str] = None, format: str = "jpeg", webrtc: bool = False) -> list[dict]:
     folder = Path(out) if out else None
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -263,8 +281,8 @@ async def run_stream(endpoint: str, model: str, seconds: float, duty: float, ses
 
     shower = asyncio.create_task(show())
     samples = (speech() if pcm == "demo" else read_wav(pcm)) if pcm else None
-    results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress, samples)
-                                     for i in range(sessions)))
+    results = await asyncio.gather(*(_one_stream(endpoint, model, seconds, duty, burst_s, i, folder, progress, samples,
+                                                 format, webrtc) for i in range(sessions)))
     shower.cancel()
     if not quiet:
         sys.stderr.write("\n")

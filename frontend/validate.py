@@ -35,7 +35,7 @@ def _schema_message(err: msgspec.ValidationError) -> str:
     unknown = re.match(r"Object contains unknown field `(.+)`", body)
     if unknown:
         return (f"header.{unknown.group(1)}: unknown key; allowed keys are op, id, model, batch, start_frame, "
-                "format, quality, timeout_ms, session, fps, audio, last")
+                "format, quality, timeout_ms, audio_format, return_audio, session, fps, audio, last, webrtc")
     if body.startswith("Invalid enum value") and where == "header.op":
         return f"header.op: unknown op; expected one of {', '.join(o.value for o in Op)}"
     if body.startswith("Object missing required field"):
@@ -125,6 +125,10 @@ def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
         raise _bad("header.return_audio: only with audio_format pcm16 (the audio returned is the PCM sent)", rid)
     if header.quality is not None and header.format not in (None, "jpeg"):
         raise _bad("header.quality: only applies to format jpeg", rid)
+    if header.format == "h264" and header.op is not Op.SESSION_OPEN:
+        raise _bad("header.format: h264 is for live sessions (session_open); single frames are jpeg, png or raw", rid)
+    if header.webrtc and (header.op is not Op.SESSION_OPEN or header.format != "h264"):
+        raise _bad("header.webrtc: only with op session_open and format h264 (the viewer sends the H.264 stream)", rid)
 
 
 def check_pcm(header: RequestHeader, payload: list, audio_shape: tuple[int, ...], has_encoder: bool,

@@ -131,6 +131,53 @@ class RenderIdle(_Msg):
     version: int = 0
 
 
+class H264Settings(msgspec.Struct, array_like=True, frozen=True):
+    """A live session's encoder (config sessions.h264); the frame size is the avatar's."""
+
+    fps: float
+    bitrate: Positive
+    preset: str
+    gop: Positive
+
+
+class EncodeItem(msgspec.Struct, array_like=True):
+    index: int                       # the session's frame index (the encoder's pts)
+    frame: int                       # its background frame
+    idr: bool                        # start a new GOP with this frame
+    box: bytes = b""                 # speech: the face box (cpu_actor/h264.pack_box); empty: idle
+
+
+class EncodeFrames(_Msg):
+    """Frontend -> a live session's own compositing process: encode these frames, in order, with the
+    session's encoder. Answered with a CompositeDone carrying one Annex-B access unit per frame."""
+
+    req: int
+    session: str
+    model: str
+    version: int
+    settings: H264Settings
+    items: list[EncodeItem]
+    deadline: float
+
+
+class EncodeLoop(_Msg):
+    """Frontend -> compositing process: the avatar's idle loop, background `frames` encoded as they are
+    by a new encoder (the first one an IDR). Low priority: encoded between other tasks."""
+
+    req: int
+    model: str
+    version: int
+    settings: H264Settings
+    frames: list[int]
+    deadline: float
+
+
+class CloseEncoder(_Msg):
+    """Frontend -> compositing process: the session closed; drop its encoder."""
+
+    session: str
+
+
 # -- workers -> frontend ---------------------------------------------------------------------
 
 class InferDone(_Msg):
@@ -240,7 +287,7 @@ class Pong(_Msg):
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
     CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
-    RemoteInfer, RenderIdle,
+    RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -3,8 +3,11 @@
 Two segments, created by the supervisor:
 
     index:  header (64 B: magic "LSSTORE1", n_entries u32, pad u32, entry_bytes u64, decodes u64)
-            + n_entries x ENTRY (model hash, frame, state, loader pid, generation, h, w, last use, uses)
-    data:   n_entries x entry_bytes, each [ background h*w*3 uint8 ... | crop 328*328*3 uint8 ]
+            + n_entries x ENTRY (model hash, frame, state, loader pid, generation, h, w, c, last use, uses)
+    data:   n_entries x entry_bytes, each [ background h*w*c uint8 ... | crop 328*328*3 uint8 ]
+
+A background is BGR (c = 3, h x w x 3) or, for H.264 sessions, I420 (c = 1, (h * 3 / 2) x w): the
+I420 copy is stored under its own id (the model id + "#i420"), converted once when it is decoded.
 
 Entry states:  EMPTY --claim--> LOADING (one process decodes) --publish--> READY --evict--> LOADING ...
 
@@ -36,7 +39,7 @@ _HEADER = struct.Struct("<8sIIQQ")
 _DECODES_OFFSET = 24
 CROP_BYTES = 328 * 328 * 3
 ENTRY = np.dtype([("model", "<u8"), ("frame", "<i8"), ("state", "<u4"), ("loader", "<u4"), ("gen", "<u8"),
-                  ("h", "<u4"), ("w", "<u4"), ("last", "<f8"), ("uses", "<u8")])
+                  ("h", "<u4"), ("w", "<u4"), ("c", "<u4"), ("last", "<f8"), ("uses", "<u8")])
 EMPTY, LOADING, READY = 0, 1, 2
 _POLL_S = 0.001
 
@@ -119,7 +122,7 @@ class BackgroundStore:
 
     def bytes_used(self) -> int:
         ready = self._table[self._table["state"] == READY]
-        return int(np.sum(ready["h"].astype(np.int64) * ready["w"] * 3 + CROP_BYTES))
+        return int(np.sum(ready["h"].astype(np.int64) * ready["w"] * ready["c"] + CROP_BYTES))
 
     # -- the one entry point ----------------------------------------------------------------------
 
@@ -190,12 +193,14 @@ class BackgroundStore:
         try:
             background, crop = loader()
             h, w = background.shape[:2]
-            if w > self.spec.max_width or h > self.spec.max_height:
-                raise StoreError(f"background frame is {w}x{h}, larger than compositing.max_frame_width x "
-                                 f"max_frame_height ({self.spec.max_width}x{self.spec.max_height}); raise them")
+            c = background.shape[2] if background.ndim == 3 else 1   # 1: an I420 frame, (h * 3 / 2, w)
+            if w > self.spec.max_width or (h if c == 3 else h * 2 // 3) > self.spec.max_height:
+                raise StoreError(f"background frame is {w}x{h if c == 3 else h * 2 // 3}, larger than "
+                                 f"compositing.max_frame_width x max_frame_height ({self.spec.max_width}x"
+                                 f"{self.spec.max_height}); raise them")
             row = self._data[slot]
-            row[: h * w * 3] = background.reshape(-1)
-            row[h * w * 3: h * w * 3 + CROP_BYTES] = crop.reshape(-1)
+            row[: h * w * c] = background.reshape(-1)
+            row[h * w * c: h * w * c + CROP_BYTES] = crop.reshape(-1)
         except BaseException:
             with self._locked():
                 if self._table["loader"][slot] == self._pid and self._table["state"][slot] == LOADING:
@@ -204,22 +209,23 @@ class BackgroundStore:
         with self._locked():
             self._table["h"][slot] = h
             self._table["w"][slot] = w
+            self._table["c"][slot] = c
             self._table["state"][slot] = READY
             self._decodes[0] += 1
         return (background if want_background else None), crop, False
 
     def _copy(self, slot: int, want_background: bool, out: np.ndarray | None = None):
-        h, w = int(self._table["h"][slot]), int(self._table["w"][slot])
+        h, w, c = int(self._table["h"][slot]), int(self._table["w"][slot]), int(self._table["c"][slot])
         row = self._data[slot]
         background = None
         if want_background:
-            stored = row[: h * w * 3].reshape(h, w, 3)
+            stored = row[: h * w * c].reshape((h, w, 3) if c == 3 else (h, w))
             if out is None:
                 background = stored.copy()
             else:
                 out[...] = stored
                 background = out
-        crop = row[h * w * 3: h * w * 3 + CROP_BYTES].reshape(328, 328, 3).copy()
+        crop = row[h * w * c: h * w * c + CROP_BYTES].reshape(328, 328, 3).copy()
         return background, crop
 
 

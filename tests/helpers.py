@@ -111,6 +111,7 @@ def base_config(models_dir: Path, **overrides) -> dict:
     cfg = {
         "frontend": {"bind": [f"tcp://127.0.0.1:{free_port()}"]},
         "metrics": {"port": 0},
+        "viewer": {"port": 0},
         "models_dir": str(models_dir),
         "limits": {"max_batch": 8, "queue_depth": 8, "request_timeout_s": 60},
         "inference": {"devices": "cpu", "intra_op_threads": 1},
