@@ -238,8 +238,9 @@ class Live:
                     utterance: str, first_input: int) -> None:
         from frontend.server import Call
         opened: Call = session.data
-        header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(frames),
-                                 format=opened.header.format, quality=opened.header.quality)
+        _, _, _, fmt, quality = self._key(session, -1)
+        header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(frames), format=fmt,
+                                 quality=quality)
         call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
                     tensors=Tensors(None, memoryview(np.ascontiguousarray(inputs, "<f4").tobytes()), True, len(frames)),
                     frames=[session.background(k) for k in frames], targets=[(session.token, k) for k in frames],

@@ -131,6 +131,7 @@ class H264Live:
             if not items[0].idr:
                 items[0].idr = True
                 stream.units[items[0].index].keyframe = True
+        session.stats.encoded += len(items)
         spec = session.data.spec
         deadline = session.due(items[-1].index) + ENCODE_GRACE_S
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,

@@ -208,6 +208,7 @@ class SessionStatsReply(msgspec.Struct, kw_only=True):
     missed: int
     dropped: int
     late: int
+    frames_encoded: int = 0         # h264: frames its own encoder encoded (the others came from the idle loop)
     max_late_ms: float
     latency_ms_p50: Optional[float]
     latency_ms_p99: Optional[float]

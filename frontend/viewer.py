@@ -164,14 +164,15 @@ class Viewer:
         pc = RTCPeerConnection(self._ice)
         peer = Peer(pc, _Track("video"), _Track("audio"))
         try:
+            # NOTE: codecs are chosen as the offer is applied, so the transceivers (and the video's
+            # codec preference: the stream is H.264 already) come first; the offer's m-lines take them.
+            transceiver = pc.addTransceiver(peer.video, direction="sendonly")
+            transceiver.setCodecPreferences([c for c in RTCRtpSender.getCapabilities("video").codecs
+                                             if c.mimeType == "video/H264"])
+            pc.addTransceiver(peer.audio, direction="sendonly")
             await pc.setRemoteDescription(offer)
-            video = pc.addTrack(peer.video)
-            pc.addTrack(peer.audio)
-            for transceiver in pc.getTransceivers():
-                if transceiver.sender is video:   # the stream is H.264 already: offer nothing else
-                    transceiver.setCodecPreferences([c for c in RTCRtpSender.getCapabilities("video").codecs
-                                                     if c.mimeType == "video/H264"])
             await pc.setLocalDescription(await pc.createAnswer())
+            video = transceiver.sender
         except Exception as err:   # an offer that cannot be answered (no H.264, no video): say why
             await pc.close()
             raise web.HTTPBadRequest(text=f"cannot answer this offer: {err}\n") from None

@@ -1,0 +1,154 @@
+"""H.264 live sessions over real processes: access units that decode (PyAV) to the raw session's
+pixels, one per frame, IDR on request, the idle loop, a compositor killed mid-session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import av
+import cv2
+import numpy as np
+import pytest
+
+from frontend.client import ServerError
+from frontend.stream import Session
+from tests.helpers import base_config, decode_image, make_video_avatar, mirror_index, run_server
+
+pytestmark = pytest.mark.slow
+N_FRAMES = 5
+GOP = 10
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    make_video_avatar(root, "a", N_FRAMES)
+    return root
+
+
+def h264_config(models, **h264):
+    # A generous latency budget keeps every speech frame in time on a loaded machine.
+    return base_config(models, sessions={"latency_budget_ms": 1200, "start_delay_ms": 300,
+                                         "h264": {"gop": GOP, **h264}})
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("srv"), h264_config(models)) as srv:
+        yield srv
+
+
+def frames_for(session: Session, seconds: float) -> list:
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
+        if frame is not None and frame[0].get("event") == "frame":
+            out.append(frame[:2])
+    return out
+
+
+def nal_types(au: bytes) -> list[int]:
+    """The NAL unit types of an Annex-B access unit (5: IDR slice, 7: SPS, 8: PPS, 1: non-IDR slice)."""
+    types, i = [], 0
+    while (i := au.find(b"\x00\x00\x01", i)) >= 0:
+        types.append(au[i + 3] & 0x1F)
+        i += 3
+    return types
+
+
+def decode(units: list[bytes]) -> list[np.ndarray]:
+    decoder = av.CodecContext.create("h264", "r")
+    out = []
+    for au in units:
+        out += [f.to_ndarray(format="bgr24") for f in decoder.decode(av.Packet(au))]
+    return out
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+
+
+def test_h264_frames_decode_to_the_raw_sessions_pixels(server, models):
+    windows = np.random.default_rng(3).standard_normal((8, 32, 16, 16)).astype(np.float32)
+    with Session(server.endpoint, "a", format="h264", start_frame=2) as s:
+        assert s.info["format"] == "h264"
+        frames_for(s, 0.4)
+        first = s.send_audio(windows)["first_frame"]
+        got = frames_for(s, 2.5)
+        stats = s.stats()
+    headers = [h for h, _ in got]
+    assert [h["index"] for h in headers] == list(range(headers[0]["index"], headers[0]["index"] + len(got)))
+    units = [au for _, au in got]
+    assert all(nal_types(au)[-1] in (1, 5) for au in units), "one access unit (ending in a picture) per frame"
+    pictures = decode(units[next(i for i, h in enumerate(headers) if h["keyframe"]):])
+    by_index = dict(zip([h["index"] for h in headers][-len(pictures):], zip(headers[-len(pictures):], pictures)))
+    assert len(pictures) == len(units) - next(i for i, h in enumerate(headers) if h["keyframe"]), \
+        "a frame in, an access unit out, a picture decoded: no frame delay"
+    speech = [k for k, (h, _) in by_index.items() if h["kind"] == "speech"]
+    assert sorted(speech) == list(range(first, first + 8)) and stats["missed"] == 0
+    with server.client() as c:
+        for k, (header, picture) in by_index.items():
+            if header["kind"] == "speech":
+                _, (want,) = c.composite("a", windows[k - first:k - first + 1], start_frame=header["frame"],
+                                         format="png")
+                want = decode_image(want, "png", {})
+            else:
+                assert header["frame"] == mirror_index(2 + k, N_FRAMES)
+                want = cv2.imread(str(models / "a" / "frames" / f"{header['frame']}.png"))
+            assert psnr(picture, want) >= 35.0, (k, header["kind"], psnr(picture, want))
+
+
+def test_keyframe_on_request_and_silence_from_the_idle_loop(server):
+    with Session(server.endpoint, "a", format="h264") as s:
+        got = frames_for(s, 1.5)
+        at = s.keyframe()
+        got += frames_for(s, 0.6)
+        stats = s.stats()
+    first = got[0][0]
+    types = nal_types(got[0][1])
+    assert first["index"] == 0 and first["keyframe"] and types[:2] == [7, 8] and 5 in types, \
+        "a session starts with SPS, PPS and an IDR"
+    after = {h["index"]: (h, au) for h, au in got if h["index"] >= at}
+    header, au = after[min(after)]
+    assert header["keyframe"] and 5 in nal_types(au) and 7 in nal_types(au), "the frame after session_keyframe is an IDR"
+    # Silent: nearly every frame came from the avatar's idle loop, not the session's own encoder.
+    assert stats["frames_encoded"] <= GOP + 2 and stats["frames_idle"] >= 40, stats
+    for h, au in got:
+        assert h["keyframe"] == (5 in nal_types(au)), h
+
+
+def test_h264_is_refused_where_it_cannot_apply(server):
+    with server.client() as c, pytest.raises(ServerError) as err:
+        c.composite("a", np.zeros((1, 32, 16, 16), np.float32), format="h264")
+    assert err.value.code == "bad_request" and "live sessions" in err.value.message
+    with Session(server.endpoint, "a", format="jpeg") as s, pytest.raises(ServerError) as err:
+        s.keyframe()
+    assert err.value.code == "bad_request" and "format: h264" in err.value.message
+    with pytest.raises(ServerError) as err:
+        Session(server.endpoint, "a", format="h264", webrtc=True)
+    assert err.value.code == "bad_request" and "viewer.port" in err.value.message
+
+
+def test_a_killed_compositor_resumes_with_an_idr(models, tmp_path):
+    # Without the idle loop every frame goes through the session's encoder, in its compositor.
+    with run_server(tmp_path, h264_config(models, idle_loop=False)) as srv, \
+            Session(srv.endpoint, "a", format="h264") as s:
+        before = frames_for(s, 1.0)
+        assert before and all(not h["keyframe"] for h, _ in before[1:6])
+        with srv.client() as c:
+            pids = [p["pid"] for p in c.health()["processes"] if p["role"] == "cpu"]
+        for pid in pids:   # the session's compositor among them
+            os.kill(pid, signal.SIGKILL)
+        after = frames_for(s, 3.0)
+        stats = s.stats()
+    indices = [h["index"] for h, _ in before + after]
+    assert indices == sorted(indices) and len(set(indices)) == len(indices)
+    resumed = next(i for i, (h, _) in enumerate(after) if h["keyframe"])
+    assert all(h["index"] > before[-1][0]["index"] for h, _ in after)
+    # From the IDR on, every access unit decodes, and the frames keep coming.
+    pictures = decode([au for _, au in after[resumed:]])
+    assert len(pictures) == len(after) - resumed >= 25, (len(pictures), len(after), resumed)
+    assert stats["frames_encoded"] >= stats["frames_idle"] - stats["dropped"] - 2
