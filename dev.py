@@ -3,6 +3,7 @@
 
     python3 dev.py run [ARGS...]    create/refresh .venv, then `python -m supervisor ARGS...`
     python3 dev.py test [ARGS...]   create/refresh .venv, then `python -m pytest ARGS...`
+    python3 dev.py watch [ARGS...]  the server (as `run`), and the demo avatar talking in your browser
 
 Only the standard library is used here, so this works on a fresh machine with Python >= 3.10.
 The venv is refreshed whenever pyproject.toml changes (a hash is kept in .venv/.installed).
@@ -108,11 +109,27 @@ def ensure_venv() -> None:
     STAMP.write_text(want)
 
 
+def watch(args: list[str]) -> int:
+    """The server, and the demo avatar talking in a browser (frontend.client watch) until Ctrl-C."""
+    import signal
+    server = subprocess.Popen([str(PYTHON), "-m", "supervisor", *args])
+    try:
+        return subprocess.call([str(PYTHON), "-m", "frontend.client", "watch", "demo", "--wait", "600"])
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait()
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("run", "test"):
+    if not argv or argv[0] not in ("run", "test", "watch"):
         print(__doc__, file=sys.stderr)
         return 2
     ensure_venv()
+    if argv[0] == "watch":
+        os.chdir(ROOT)
+        return watch(argv[1:])
     module = "supervisor" if argv[0] == "run" else "pytest"
     os.chdir(ROOT)
     os.execv(str(PYTHON), [str(PYTHON), "-m", module, *argv[1:]])

@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu] [--seconds S] [--frames N] [--models N]
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,12 +17,13 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog bench")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
     args = parser.parse_args()
     from shm.child import tune_malloc
     from supervisor.demo import build_demo
@@ -45,8 +46,12 @@ def main() -> int:
         results["catalog"] = catalog.run(args.models)
     if args.what in ("all", "sessions"):
         from bench import sessions
-        print("live sessions (near-zero-cost model, 1280x720 JPEG q75, 25 fps):")
-        results["sessions"] = sessions.run(models_dir, args.seconds)
+        print(f"live sessions (near-zero-cost model, 1280x720 {'JPEG q75' if args.format == 'jpeg' else 'H.264'}, "
+              "25 fps):")
+        results["sessions"] = sessions.run(models_dir, args.seconds, fmt=args.format)
+    if args.what in ("all", "h264"):
+        from bench import h264
+        results["h264"] = h264.run(models_dir, "demo")
     if args.what in ("all", "cpu"):
         from bench import cpu
         results["cpu"] = cpu.run(models_dir, args.seconds)

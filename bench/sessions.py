@@ -2,7 +2,8 @@
 (sent <= 40 ms after due) and none dropped, speaking 27 % of the time in bursts of about 3 s, or all
 silent; speech latency; and which process saturates (CPU per process over each run).
 
-A near-zero-cost model (so inference does not hide the rest), the demo's 1280x720 background, JPEG q75.
+A near-zero-cost model (so inference does not hide the rest), the demo's 1280x720 background, JPEG q75
+(or with --format h264, H.264 at sessions.h264's defaults: bytes per second per session too).
 Audio is sent in real time, one frame's window per frame period while a session speaks.
 """
 
@@ -41,13 +42,19 @@ def _models(demo_dir: Path, root: Path) -> Path:
 
 
 async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int,
-                   pcm: Optional[np.ndarray] = None) -> dict:
+                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg") -> dict:
     rng = np.random.default_rng(seed)
     mode = "pcm16" if pcm is not None else "window"
-    async with AsyncSession(endpoint, "avatar", format="jpeg", quality=75, timeout_s=60, audio=mode) as s:
+    received = [0, 0.0, 0.0]   # bytes, first and last arrival
+
+    async with AsyncSession(endpoint, "avatar", format=fmt, quality=75 if fmt == "jpeg" else None, timeout_s=60,
+                            audio=mode) as s:
         async def drain():
             while True:
-                await s.frames.get()
+                _, image, _ = await s.frames.get()
+                received[0] += len(image)
+                received[1] = received[1] or time.monotonic()
+                received[2] = time.monotonic()
 
         reader = asyncio.create_task(drain())
         window = rng.standard_normal((1, 32, 16, 16)).astype(np.float32)
@@ -73,11 +80,11 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
             await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
         stats = await s.close()
         reader.cancel()
-        return stats
+        return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9)}
 
 
-async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None) -> list[dict]:
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm) for i in range(n)))
+async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg") -> list[dict]:
+    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt) for i in range(n)))
 
 
 def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
@@ -109,11 +116,11 @@ def _cpu(pids: dict) -> dict:
     return {name: sum(psutil.Process(p).cpu_times()[:2]) for name, p in pids.items()}
 
 
-def _run_level(srv, n: int, seconds: float, duty: float, pcm=None) -> dict:
+def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg") -> dict:
     pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids["bench client"] = os.getpid()
     before, t0 = _cpu(pids), time.monotonic()
-    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm))
+    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt))
     wall = time.monotonic() - t0
     after = _cpu(pids)
     frames = sum(s["frames_speech"] + s["frames_idle"] for s in stats)
@@ -122,12 +129,14 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None) -> dict:
     return {"sessions": n, "duty": duty, "pcm": pcm is not None, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
             "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
             "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
-            "latency_p99_ms": max(p99) if p99 else None,
+            "latency_p99_ms": max(p99) if p99 else None, "format": fmt,
+            "kbit_s_per_session": 8 * sum(s["bytes_per_s"] for s in stats) / len(stats) / 1000,
+            "encoded": sum(s.get("frames_encoded", 0) for s in stats),
             "cpu_percent": {k: round(100 * (after[k] - before[k]) / wall) for k in pids}}
 
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
-        pcm_speaking=(10, 20)) -> dict:
+        pcm_speaking=(10, 20), fmt: str = "jpeg") -> dict:
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
@@ -137,12 +146,16 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
                                      "limits.queue_depth": 256, "shm.slots": 4})
         results = []
         with run_server(root, cfg) as srv:
+            if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
+                asyncio.run(_level(srv.endpoint, 4, 4.0, 0.5, None, fmt))
             for n in speaking:
-                results.append(_run_level(srv, n, seconds, 0.27))
+                results.append(_run_level(srv, n, seconds, 0.27, fmt=fmt))
                 _print(results[-1])
             for n in silent:
-                results.append(_run_level(srv, n, seconds, 0.0))
+                results.append(_run_level(srv, n, seconds, 0.0, fmt=fmt))
                 _print(results[-1])
+            if fmt != "jpeg":
+                return {"levels": results}
             speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
             costs = _pcm_costs(models / "avatar" / "audio_encoder.onnx", speech)
             print(f"  PCM: mel in the frontend {costs['mel_us_per_chunk']:.0f} us per 20-ms chunk "
@@ -161,5 +174,7 @@ def _print(r: dict) -> None:
     cpu = ", ".join(f"{k} {v}%" for k, v in r["cpu_percent"].items())
     print(f"  {r['sessions']:4d} sessions {kind}: {r['frames']} frames ({r['speech']} speech), "
           f"{100 * r['on_time']:.2f}% on time, late {r['late']} (max {r['max_late_ms']:.0f} ms), "
-          f"missed {r['missed']}, dropped {r['dropped']}, speech latency p99 {r['latency_p99_ms']} ms\n"
+          f"missed {r['missed']}, dropped {r['dropped']}, speech latency p99 {r['latency_p99_ms']} ms, "
+          f"{r['kbit_s_per_session']:.0f} kbit/s per session"
+          + (f", {r['encoded']} frames encoded (the rest from the idle loop)" if r["format"] == "h264" else "") + "\n"
           f"        CPU: {cpu}", flush=True)

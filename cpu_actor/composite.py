@@ -22,8 +22,10 @@ except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux onl
 
 
 def mouth_to_uint8(mouth: np.ndarray) -> np.ndarray:
-    """P [3,320,320] float32 in [0,1] -> HWC uint8 (step 2's truncation)."""
-    return mouths_to_uint8(mouth).transpose(1, 2, 0)
+    """P [3,320,320] float32 in [0,1] -> HWC uint8 (step 2's truncation), contiguous: cv2.merge
+    interleaves the planes ~15x faster than pasting a transposed view (0.04 vs 0.38 ms)."""
+    planes = mouths_to_uint8(mouth)
+    return cv2.merge([planes[0], planes[1], planes[2]])
 
 
 def paste(background: np.ndarray, crop: np.ndarray, mouth_hwc: np.ndarray, rect) -> np.ndarray:

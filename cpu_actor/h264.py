@@ -57,7 +57,7 @@ def _even_box(rect, width: int, height: int) -> tuple[int, int, int, int]:
     return x1 & ~1, y1 & ~1, min((x2 + 1) & ~1, width), min((y2 + 1) & ~1, height)
 
 
-def pack_box(i420: np.ndarray, width: int, height: int, crop: np.ndarray, mouth_hwc: np.ndarray, rect) -> bytes:
+def pack_box(i420: np.ndarray, width: int, height: int, crop: np.ndarray, mouth_hwc: np.ndarray, rect) -> bytearray:
     """The face box of a speech frame in I420: SyncTalk_2D's paste (cpu_actor/composite.paste) done on
     the crop and box only. `crop` is the caller's own copy (written)."""
     x1, y1, x2, y2 = (int(v) for v in rect)
@@ -71,7 +71,12 @@ def pack_box(i420: np.ndarray, width: int, height: int, crop: np.ndarray, mouth_
         bgr = cv2.cvtColor(region.reshape((ey2 - ey1) * 3 // 2, ex2 - ex1), cv2.COLOR_YUV2BGR_I420)
         bgr[y1 - ey1:y2 - ey1, x1 - ex1:x2 - ex1] = patch
         patch = bgr
-    return _BOX.pack(ex1, ey1, ex2, ey2) + to_i420(np.ascontiguousarray(patch)).tobytes()
+    h, w = patch.shape[:2]
+    box = bytearray(_BOX.size + h * w * 3 // 2)   # converted straight into the message's bytes
+    _BOX.pack_into(box, 0, ex1, ey1, ex2, ey2)
+    cv2.cvtColor(np.ascontiguousarray(patch), cv2.COLOR_BGR2YUV_I420,
+                 dst=np.frombuffer(box, np.uint8, offset=_BOX.size).reshape(h * 3 // 2, w))
+    return box
 
 
 def apply_box(i420: np.ndarray, width: int, height: int, box: bytes) -> None:

@@ -18,6 +18,7 @@ from collections import deque
 
 import cv2
 import msgspec
+import numpy as np
 import zmq
 
 from config import Config
@@ -48,12 +49,14 @@ class Compositor:
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
         self.images = SlotRing.attach(run.image_rings[index], populate=False)
         self.images.become_writer()
-        self.backlog: deque[CompositeTask] = deque()
+        self.backlog: deque = deque()         # CompositeTask, RenderIdle
+        self.urgent: deque[EncodeFrames] = deque()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
         self.encoders = Encoders()            # live H.264 sessions pinned to this process
-        self.loops: deque = deque()           # EncodeLoop tasks in progress: (task, frames encoded so far)
+        self.loops: deque = deque()           # EncodeLoop tasks in progress: (task, encoder, access units so far)
+        self._scratch = None                  # the I420 frame being encoded
         self._stopping = False
         self._preload = self._preload_frames(len(run.endpoints.cpu))
 
@@ -79,9 +82,14 @@ class Compositor:
     def run(self) -> None:
         handlers = {CompositeTask: self._composite, RenderIdle: self._render_idle, EncodeFrames: self._encode}
         while not self._stopping:
-            if self.backlog:
-                task = self.backlog.popleft()
+            # Live frames first: an H.264 frame is due within a frame period, composites have the
+            # latency budget. An idle loop frame after each task: loops are short, and until one is
+            # whole its sessions encode every silent frame themselves.
+            if self.urgent or self.backlog:
+                task = (self.urgent or self.backlog).popleft()
                 handlers[type(task)](task)
+                if self.loops:
+                    self._loop_step()
             elif self.tasks.poll(0 if self._preload is not None or self.loops else 1000):
                 self._dispatch(decode(self.tasks.recv()))
             elif self.loops:
@@ -91,7 +99,9 @@ class Compositor:
                 self.encoders.expire()
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
+        if isinstance(msg, EncodeFrames):
+            self.urgent.append(msg)
+        elif isinstance(msg, (CompositeTask, RenderIdle)):
             self.backlog.append(msg)
         elif isinstance(msg, EncodeLoop):
             self.loops.append((msg, None, []))
@@ -208,17 +218,29 @@ class Compositor:
                                         height=assets.height, hits=hits, misses=len(task.frames) - hits)
         self.to_frontend.send_multipart([encode_msg(reply), *encoded], copy=False)
 
-    def _i420(self, assets, frame: int):
-        """(I420 background copy, crop copy, hit): converted once per frame, kept in the shared store."""
+    def _i420(self, assets, frame: int, scratch: bool = False):
+        """(I420 background copy, crop copy, hit): converted once per frame, kept in the shared store.
+        With `scratch`, the copy lands in this process's one reusable frame buffer (libx264 copies
+        what it encodes, so the buffer is free again once a frame is encoded)."""
         def load():
             background, crop = assets.decode(frame)
             return to_i420(background), crop
-        return self.store.fetch(assets.store_id + "#i420", frame, load)
+        out = None
+        if scratch:
+            shape = (assets.height * 3 // 2, assets.width)
+            if self._scratch is None or self._scratch.shape != shape:
+                self._scratch = np.empty(shape, np.uint8)
+            out = self._scratch
+        return self.store.fetch(assets.store_id + "#i420", frame, load, out=out)
 
     def _encode(self, task: EncodeFrames) -> None:
         """A live H.264 session's frames, in order, with its own encoder."""
         t0 = time.perf_counter()
         reply = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(task.items), ok=True)
+        if time.monotonic() > task.deadline:   # given up already: encoding it would only delay the next
+            self.to_frontend.send(encode_msg(msgspec.structs.replace(
+                reply, ok=False, code=ErrorCode.TIMEOUT, message="the deadline passed before encoding started")))
+            return
         try:
             assets = self.assets.get(task.model, task.version)
             assets.check_frames([item.frame for item in task.items])
@@ -226,7 +248,7 @@ class Compositor:
             ctx, _ = self.encoders.get(task.session, (assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop))
             units = []
             for item in task.items:
-                i420, _, _ = self._i420(assets, item.frame)
+                i420, _, _ = self._i420(assets, item.frame, scratch=True)
                 if item.box:
                     apply_box(i420, assets.width, assets.height, item.box)
                 units.append(encode_frame(ctx, i420, item.index, item.idr))
@@ -253,7 +275,7 @@ class Compositor:
                 s = task.settings
                 ctx = open_encoder(assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop)
                 self.loops[0] = (task, ctx, units)
-            i420, _, _ = self._i420(assets, task.frames[len(units)])
+            i420, _, _ = self._i420(assets, task.frames[len(units)], scratch=True)
             units.append(encode_frame(ctx, i420, len(units), not units))
         except Exception as err:
             self.loops.popleft()

@@ -7,7 +7,7 @@
 Both use a DEALER socket (empty delimiter first, as the protocol says) and match replies by `id`, so
 `AsyncClient` can keep many requests in flight. Errors raise `ServerError` with the protocol's code.
 
-CLI: python -m frontend.client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench|stream M
+CLI: python -m frontend.client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench|stream M|watch [M]
 Live sessions: frontend/stream.py (Session, AsyncSession).
 """
 
@@ -308,8 +308,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="h264: one Annex-B access unit per frame; --out then writes one .h264 file per session")
     stream.add_argument("--webrtc", action="store_true",
                         help="(h264) watch it in a browser: prints each session's viewer URL; frames go there")
+    watch = sub.add_parser("watch", help="a live H.264 session in your browser: prints (and opens) its viewer URL, "
+                                         "speaks the demo utterance every few seconds")
+    watch.add_argument("model", nargs="?", default="demo")
+    watch.add_argument("--wait", type=float, default=0.0, help="wait this many seconds for the server to be ready")
+    watch.add_argument("--no-browser", action="store_true", help="print the URL only")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "watch":
+            from frontend.stream import run_watch
+            try:
+                asyncio.run(run_watch(args.endpoint, args.model, args.wait, not args.no_browser))
+            except KeyboardInterrupt:
+                pass
+            return 0
         if args.cmd == "stream":
             if args.webrtc and args.format != "h264":
                 parser.error("--webrtc needs --format h264")

@@ -20,7 +20,7 @@ from typing import Optional
 
 from frontend.sessions import Outgoing
 
-ENCODE_AHEAD_FRAMES = 1   # a frame is decided (and its encoding starts) this many frame periods before due
+ENCODE_AHEAD_FRAMES = 3   # a frame is decided (and its encoding starts) this many frame periods before due
 
 
 @dataclass
@@ -49,6 +49,7 @@ class H264Stream:
         self.start_frame, self.period, self.gop = start_frame, period, gop
         self.need_idr = True       # the next frame must be an IDR (first frame, keyframe request, a loss)
         self.in_loop = False       # the decoder's pictures are the idle loop's
+        self.broken = False        # a frame was lost: nothing goes out until the next IDR
         self.units: dict[int, Unit] = {}   # decided, not yet sent
         self.next_send = 0
 
@@ -79,10 +80,12 @@ class H264Stream:
         return unit
 
     def lost(self, index: int) -> None:
+        """Frame `index` will not be sent. The frames after it may refer to it: they are not sent
+        either until an IDR (and the next frame decided is one)."""
         unit = self.units.get(index)
         if unit is not None:
             unit.lost = True
-        self.need_idr = True
+        self.need_idr = self.broken = True
 
     def sendable(self, now: float) -> list[Unit]:
         """Units to send now, in order: due, and encoded (or lost: skipped)."""
@@ -93,6 +96,10 @@ class H264Stream:
                 return out
             del self.units[self.next_send]
             self.next_send += 1
+            if unit.keyframe and not unit.lost:
+                self.broken = False
+            elif self.broken:
+                unit.lost = True   # it refers to a picture the receiver never got
             out.append(unit)
 
     def waiting_due(self) -> Optional[float]:

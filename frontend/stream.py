@@ -295,3 +295,35 @@ def print_stream(results: list[dict]) -> None:
         print(f"session {i}: {r['received']} frames ({r['frames_speech']} speech, {r['frames_idle']} idle), "
               f"{on_time:.1f}% on time, missed {r['missed']}, dropped {r['dropped']}, server late {r['late']}, "
               f"speech latency p50 {r['latency_ms_p50']} ms, p99 {r['latency_ms_p99']} ms")
+
+
+async def run_watch(endpoint: str, model: str, wait_s: float = 0.0, open_browser: bool = True) -> None:
+    """A live H.264 session watched in a browser: prints its viewer URL (and opens it where there is
+    a browser), then speaks the demo utterance every few seconds until interrupted."""
+    from frontend.client import AsyncClient
+    deadline = time.monotonic() + wait_s
+    while True:   # the server may still be starting (building the demo on its first run)
+        try:
+            async with AsyncClient(endpoint, timeout_s=5) as client:
+                if (await client.request("health"))[0]["status"] == "ready":
+                    break
+        except (ServerError, ClientTimeout, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise ClientTimeout(f"no ready server at {endpoint}; start one with `python3 dev.py run`")
+        await asyncio.sleep(1.0)
+    pcm = speech()
+    async with AsyncSession(endpoint, model, format="h264", audio="pcm16", webrtc=True) as s:
+        url = s.info["viewer_url"]
+        print(f"watch {model} talking: {url}   (Ctrl-C to stop)", flush=True)
+        if open_browser:
+            import webbrowser
+            webbrowser.open(url)
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            for i, start in enumerate(range(0, len(pcm), 320)):
+                await s.send_audio(pcm[start:start + 320], last=start + 320 >= len(pcm))
+                await asyncio.sleep(max(t0 + (i + 1) * 0.02 - loop.time(), 0))
+            await asyncio.sleep(2.0)
+

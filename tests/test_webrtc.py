@@ -157,3 +157,19 @@ def test_the_viewer_page_plays_in_headless_chromium(server, tmp_path):
     import cv2
     image = cv2.imread(str(shot))
     assert image is not None and image.std() > 10, "the screenshot of the video is blank"
+
+
+def test_the_watch_command_prints_a_viewer_url_that_serves_the_page(server):
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "watch", "a",
+                             "--no-browser", "--wait", "30"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "/view/" in line, line
+        url = line.split()[3]
+        status, body = http(url)
+        assert status == 200 and b"/whep/" in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
