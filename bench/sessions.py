@@ -3,7 +3,8 @@
 silent; speech latency; and which process saturates (CPU per process over each run).
 
 A near-zero-cost model (so inference does not hide the rest), the demo's 1280x720 background, JPEG q75
-(or with --format h264, H.264 at sessions.h264's defaults: bytes per second per session too).
+(or with --format h264, H.264 at sessions.h264's defaults and two compositing processes, the work being
+mostly encoding: bytes per second per session too).
 Audio is sent in real time, one frame's window per frame period while a session speaks.
 """
 
@@ -142,7 +143,7 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
         models = _models(Path(demo_dir), root)
         cfg = base_config(models, **{"sessions.max_sessions": 1000, "limits.max_batch": 24,
                                      "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
-                                     "compositing.cache_bytes": 512 << 20, "compositing.workers": "auto",
+                                     "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
                                      "limits.queue_depth": 256, "shm.slots": 4})
         results = []
         with run_server(root, cfg) as srv:

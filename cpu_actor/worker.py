@@ -91,12 +91,20 @@ class Compositor:
                 if self.loops:
                     self._loop_step()
             elif self.tasks.poll(0 if self._preload is not None or self.loops else 1000):
-                self._dispatch(decode(self.tasks.recv()))
+                self._drain()
             elif self.loops:
                 self._loop_step()   # one frame of an idle loop between tasks: a live frame waits one encode at most
             else:
                 self._preload_one()
                 self.encoders.expire()
+
+    def _drain(self) -> None:
+        """Take every message waiting, so that the most urgent task is chosen among all of them."""
+        while True:
+            try:
+                self._dispatch(decode(self.tasks.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, EncodeFrames):

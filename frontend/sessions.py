@@ -58,7 +58,8 @@ class Stats:
     def as_dict(self) -> dict:
         lat = np.asarray(self.latency_ms) if self.latency_ms else None
         return {"frames_speech": self.speech, "frames_idle": self.idle, "missed": self.missed,
-                "dropped": self.dropped, "late": self.late, "frames_encoded": self.encoded, "max_late_ms": round(self.max_late_ms, 1),
+                "dropped": self.dropped, "late": self.late, "frames_encoded": self.encoded,
+                "max_late_ms": round(self.max_late_ms, 1),
                 "latency_ms_p50": round(float(np.percentile(lat, 50)), 1) if lat is not None else None,
                 "latency_ms_p99": round(float(np.percentile(lat, 99)), 1) if lat is not None else None}
 
