@@ -24,6 +24,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
+    parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions bench")
     args = parser.parse_args()
     from shm.child import tune_malloc
     from supervisor.demo import build_demo
@@ -48,7 +49,7 @@ def main() -> int:
         from bench import sessions
         print(f"live sessions (near-zero-cost model, 1280x720 {'JPEG q75' if args.format == 'jpeg' else 'H.264'}, "
               "25 fps):")
-        results["sessions"] = sessions.run(models_dir, args.seconds, fmt=args.format)
+        results["sessions"] = sessions.run(models_dir, args.seconds, fmt=args.format, budget_ms=args.budget_ms)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")

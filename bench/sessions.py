@@ -137,11 +137,12 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
 
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
-        pcm_speaking=(10, 20), fmt: str = "jpeg") -> dict:
+        pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280) -> dict:
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
-        cfg = base_config(models, **{"sessions.max_sessions": 1000, "limits.max_batch": 24,
+        cfg = base_config(models, **{"sessions.max_sessions": 1000, "sessions.latency_budget_ms": budget_ms,
+                                     "limits.max_batch": 24,
                                      "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
                                      "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
                                      "limits.queue_depth": 256, "shm.slots": 4})

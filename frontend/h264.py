@@ -20,7 +20,7 @@ from typing import Optional
 
 from frontend.sessions import Outgoing
 
-ENCODE_AHEAD_FRAMES = 3   # a frame is decided (and its encoding starts) this many frame periods before due
+ENCODE_AHEAD_FRAMES = 2   # a frame is decided (and its encoding starts) this many frame periods before due
 
 
 @dataclass

@@ -63,6 +63,8 @@ class H264Live:
         period = spec.frames * (2 if spec.order == "mirror" else 1)
         session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.gop)
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
+        # The latency budget holds from audio to frame: speech is decided that much before due.
+        session.lead = max(1, session.lead - ENCODE_AHEAD_FRAMES)
         self.prefetch(session)
 
     def _compositor(self, avoid: Optional[int] = None) -> int:
