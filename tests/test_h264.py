@@ -111,6 +111,8 @@ def test_keyframe_on_request_and_silence_from_the_idle_loop(server):
     types = nal_types(got[0][1])
     assert first["index"] == 0 and first["keyframe"] and types[:2] == [7, 8] and 5 in types, \
         "a session starts with SPS, PPS and an IDR"
+    sps = got[0][1][got[0][1].find(b"\x00\x00\x01") + 3:]
+    assert sps[1] == 66 and sps[2] & 0x40, "constrained baseline (profile_idc 66, constraint_set1): what browsers decode"
     after = {h["index"]: (h, au) for h, au in got if h["index"] >= at}
     header, au = after[min(after)]
     assert header["keyframe"] and 5 in nal_types(au) and 7 in nal_types(au), "the frame after session_keyframe is an IDR"
