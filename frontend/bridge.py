@@ -82,13 +82,11 @@ class BridgeServer:
         self.engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
                                 config.frontend.routing, STATS_TIMEOUT_S)
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
-        probes.serve(config.metrics.host, config.metrics.port, self.not_ready)
         self._stopping = False
+        probes.serve(config.metrics.host, config.metrics.port, self.readiness)
 
-    def not_ready(self) -> Optional[str]:
-        if any(w.ready for w in self.engine.workers):
-            return None
-        return "no inference worker is ready on this GPU host"
+    def readiness(self) -> tuple[str, Optional[str]]:
+        return probes.readiness(list(self.engine.workers), [], self.engine.synced(), self._stopping)
 
     def stop(self) -> None:
         self._stopping = True

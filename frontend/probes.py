@@ -12,11 +12,33 @@ from typing import Callable, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from shm.codes import ProcState
 
-def serve(host: str, port: int, ready: Callable[[], Optional[str]],
+SERVING = ("ready", "degraded")   # /readyz answers 200 for these, 503 for starting, draining, not ready
+
+
+def readiness(workers: list, compositors: list, synced: bool, draining: bool) -> tuple[str, Optional[str]]:
+    """(status, reason) of a process that serves with `workers` (and `compositors`, which a GPU host
+    has none of): ready; degraded (it serves, but a process is down); starting (no state yet, or
+    every worker still starting); draining (SIGTERM: finishing what is in flight, taking nothing
+    new); not ready. Vacant GPU-host slots (DNS discovery) are neither down nor ready."""
+    if draining:
+        return "draining", "shutting down: finishing the requests in flight, taking no new ones"
+    workers = [w for w in workers if w.state is not ProcState.VACANT]
+    if not synced or not workers or all(w.state is ProcState.STARTING and not w.restarts for w in workers):
+        return "starting", "the inference workers are starting" if workers else "no GPU host found yet"
+    if not any(w.ready for w in workers):
+        return "not ready", "no inference worker is ready: " + ", ".join(f"{w.device} {w.state.value}" for w in workers)
+    if compositors and not any(c.ready for c in compositors):
+        return "not ready", "no compositing process is ready"
+    down = [f"{w.device} {w.state.value}" for w in workers if not w.ready]
+    down += [f"compositing process {i} {c.state.value}" for i, c in enumerate(compositors) if not c.ready]
+    return ("degraded", ", ".join(down)) if down else ("ready", None)
+
+
+def serve(host: str, port: int, ready: Callable[[], tuple[str, Optional[str]]],
           registry: Optional[CollectorRegistry] = None) -> Optional[ThreadingHTTPServer]:
-    """Start serving in a daemon thread (port 0: not at all). `ready()` returns None when the process
-    would serve a request now, else the reason it would not."""
+    """Start serving in a daemon thread (port 0: not at all). `ready()` returns `readiness(...)`."""
     if not port:
         return None
 
@@ -28,9 +50,9 @@ def serve(host: str, port: int, ready: Callable[[], Optional[str]],
             elif path == "/healthz":
                 self._reply(200, b'{"status": "alive"}\n', "application/json")
             elif path == "/readyz":
-                reason = ready()
-                body = {"status": "ready"} if reason is None else {"status": "not ready", "reason": reason}
-                self._reply(200 if reason is None else 503, (json.dumps(body) + "\n").encode(), "application/json")
+                status, reason = ready()
+                body = {"status": status} if reason is None else {"status": status, "reason": reason}
+                self._reply(200 if status in SERVING else 503, (json.dumps(body) + "\n").encode(), "application/json")
             else:
                 self._reply(404, b'{"error": "not found: /metrics, /healthz or /readyz"}\n', "application/json")
 

@@ -34,6 +34,7 @@ from frontend.backlog import Backlogs
 from frontend.catalog import Catalog, CatalogError, ModelSpec
 from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Render,
                              Reply, Request, ResetInputs, Scheduler, SendWorker)
+from frontend import probes
 from frontend.live import Live
 from frontend.viewer import Viewer
 from frontend.metrics import Metrics
@@ -123,17 +124,13 @@ class Frontend:
         # The WebRTC viewer: started with the event loop (_main); None when viewer.port is 0.
         self.viewer = Viewer(config.viewer, self.live.request_keyframe) if config.viewer.port else None
         self.deadlines = Alarm(self._on_deadline)
-        self.metrics.serve(config.metrics.host, config.metrics.port, self.not_ready)
+        self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
 
-    def not_ready(self) -> Optional[str]:
-        """Why a request could not be served now (None: it could): /readyz. On an edge, one GPU host
-        that is ready is enough. NOTE: called from the probes' thread; it only reads."""
-        workers, compositors = list(self.engine.workers), list(self.engine.compositors)
-        if not any(w.ready for w in workers):
-            return "no inference worker is ready: " + ", ".join(f"{w.device} {w.state.value}" for w in workers)
-        if compositors and not any(c.ready for c in compositors):
-            return "no compositing process is ready"
-        return None
+    def readiness(self) -> tuple[str, Optional[str]]:
+        """/readyz (frontend/probes.readiness). On an edge, one GPU host that is ready is enough.
+        NOTE: called from the probes' thread; it only reads."""
+        return probes.readiness(list(self.engine.workers), list(self.engine.compositors), self.engine.synced(),
+                                self._stopping)
 
     def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
         """frontend.curve: client key (z85) -> its tenant; None when clients need no key."""

@@ -34,6 +34,7 @@ class ProcState(str, enum.Enum):
     FAILED = "failed"            # died too often within supervisor.restart_window_s: stays down
     UNREACHABLE = "unreachable"  # a GPU host that misses heartbeats
     STOPPED = "stopped"          # shut down on purpose
+    VACANT = "vacant"            # a GPU-host slot with no host behind it (bridge.hosts by DNS name)
 
 
 class ModelEventKind(str, enum.Enum):

@@ -213,3 +213,24 @@ def test_idle_renders_go_to_the_least_busy_compositor_and_end_like_any_request()
     assert r2 in [f.request for f in failed] and all(f.code is ErrorCode.UNAVAILABLE for f in failed)
     e.shutdown("stop")
     assert held(e) == NOTHING
+
+
+def test_readiness_in_every_state():
+    from frontend.engine import CompositorState, WorkerState
+    from frontend.probes import SERVING, readiness
+
+    def worker(i, state, restarts=0, device="remote:tcp://gpu:5570"):
+        return WorkerState(i, device, 1, state=state, restarts=restarts)
+
+    R, S, U, V = ProcState.READY, ProcState.STARTING, ProcState.UNREACHABLE, ProcState.VACANT
+    ready_cpu = [CompositorState(state=R)]
+    assert readiness([worker(0, S)], ready_cpu, synced=False, draining=False)[0] == "starting"
+    assert readiness([worker(0, S), worker(1, V)], ready_cpu, True, False)[0] == "starting"
+    assert readiness([worker(0, V)], ready_cpu, True, False) == ("starting", "no GPU host found yet")
+    assert readiness([worker(0, R), worker(1, V)], ready_cpu, True, False) == ("ready", None), "vacant is not down"
+    status, reason = readiness([worker(0, R), worker(1, U)], ready_cpu, True, False)
+    assert status == "degraded" and "unreachable" in reason and status in SERVING
+    status, reason = readiness([worker(0, S, restarts=1)], ready_cpu, True, False)
+    assert status == "not ready" and status not in SERVING, "a restart is not a start"
+    assert readiness([worker(0, R)], [CompositorState(state=ProcState.RESTARTING)], True, False)[0] == "not ready"
+    assert readiness([worker(0, R)], ready_cpu, True, draining=True)[0] == "draining"

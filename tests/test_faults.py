@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -300,3 +301,51 @@ def test_probes_say_alive_and_whether_a_request_would_be_served(server):
     _wait_ready(server, "gpu", pid)
     assert _probe(server.metrics_port, "/readyz")[0] == 200
     assert _probe(server.metrics_port, "/healthz")[0] == 200
+
+
+def test_probes_through_a_servers_life_starting_ready_degraded_draining(models, tmp_path):
+    port = free_port()
+    cfg = base_config(models, **{"metrics.port": port, "inference.workers_per_device": 2,
+                                 "supervisor.shutdown_timeout_s": 30})
+    seen = []
+
+    def poll(until, limit_s=60.0):
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            try:
+                probe = _probe(port, "/readyz")
+            except OSError:   # not listening yet: a Kubernetes probe fails the same way
+                seen.append((None, {"status": "refused"}))
+                time.sleep(0.02)
+                continue
+            seen.append(probe)
+            if until(probe):
+                return probe
+            time.sleep(0.02)
+        raise AssertionError(f"no such probe within {limit_s}s: {seen[-3:]}")
+
+    watcher = threading.Thread(target=poll, args=(lambda p: p[0] == 200,), daemon=True)
+    watcher.start()   # from before the server listens: every answer until the first 200
+    with run_server(tmp_path, cfg) as srv:
+        watcher.join(60)
+        assert seen and seen[-1] == (200, {"status": "ready"})
+        before = seen[:-1]
+        assert before and all(p[1]["status"] in ("refused", "starting") for p in before), set(map(str, before))
+        assert _probe(port, "/readyz") == (200, {"status": "ready"})
+        with srv.client() as c:
+            c.load("slow")
+        pid = srv.pids("gpu")[0]
+        os.kill(pid, signal.SIGKILL)   # one of two inference workers: it still serves
+        degraded = poll(lambda p: p[1]["status"] != "ready", 10)
+        assert degraded[0] == 200 and degraded[1]["status"] == "degraded" and "cpu" in degraded[1]["reason"], degraded
+        poll(lambda p: p[1]["status"] == "ready", 30)
+        # SIGTERM with work in flight: not ready (draining) while it finishes, alive all along.
+        burst = threading.Thread(target=lambda: asyncio.run(_burst(srv.endpoint, 8)), daemon=True)
+        burst.start()
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        draining = poll(lambda p: p[0] == 503, 10)
+        assert draining[1]["status"] == "draining", draining
+        assert _probe(port, "/healthz")[0] == 200
+        burst.join(60)
+        srv.proc.wait(60)
