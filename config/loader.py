@@ -167,6 +167,10 @@ def _check_bridge_keys(config: Config, source: str) -> None:
     """The bridge carries every model's inputs and outputs: keys are required unless plaintext is
     asked for by name (it used to fall back to plaintext silently when a key was left out)."""
     b = config.bridge
+    for i, h in enumerate(b.hosts):
+        if (h.endpoint is None) == (h.dns is None):
+            raise ConfigError(f"{source}: bridge.hosts.{i}: give either endpoint (one GPU host) or dns (every "
+                              "address behind a name), not both or neither")
     if b.insecure_plaintext:
         return
     fix = "(`python -m supervisor keys DIR NAME` writes a pair), or set bridge.insecure_plaintext: true"

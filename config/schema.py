@@ -46,7 +46,10 @@ class FrontendConfig(_Section):
 
 
 class BridgeHost(_Section):
-    endpoint: Endpoint                   # the GPU host's bridge.bind, as this edge reaches it
+    endpoint: Optional[Endpoint] = None  # the GPU host's bridge.bind, as this edge reaches it
+    dns: Optional[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{1,253}\Z")]] = None   # or: a name
+    port: Port = 5570                    # dns: the GPU hosts' bridge port
+    max_hosts: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8   # dns: at most this many hosts behind the name
     server_key: Optional[str] = None     # that host's public key file (required unless insecure_plaintext)
 
 
@@ -59,6 +62,7 @@ class BridgeConfig(_Section):
     insecure_plaintext: bool = False               # allow a bridge without keys (trusted networks only)
     heartbeat_s: PosFloat = 0.25
     dead_after_s: PosFloat = 1.0
+    resolve_s: PosFloat = 5.0                      # roles all/edge: how often DNS names in hosts are resolved
 
 
 class MetricsConfig(_Section):

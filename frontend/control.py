@@ -37,10 +37,11 @@ def health(fe: Frontend, call: Call) -> bytes:
                             device=w.device) for w in engine.workers]
     procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state.value, restarts=c.restarts, device="cpu")
               for i, c in enumerate(engine.compositors)]
-    states = {pr.state for pr in procs}
+    present = [pr for pr in procs if pr.state != ProcState.VACANT.value]   # empty DNS slots are not down
+    states = {pr.state for pr in present}
     if states == {"ready"}:
         status = "ready"
-    elif all(pr.restarts == 0 and pr.state in ("starting", "ready") for pr in procs):
+    elif all(pr.restarts == 0 and pr.state in ("starting", "ready") for pr in present):
         status = "starting"
     else:
         status = "degraded"

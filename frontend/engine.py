@@ -249,7 +249,10 @@ class Scheduler:
         self.table = RequestTable()
         self.queue_depth, self.routing, self.stats_timeout_s = queue_depth, routing, stats_timeout_s
         self._ids = itertools.count(1)
-        self._rr = itertools.count()
+        self._rr = itertools.count()       # round_robin routing
+        self._turns = itertools.count()    # compositing plans (their own count: sharing one made every
+                                           # composite request take two turns, so with two workers
+                                           # round_robin sent every one to the same worker)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -367,7 +370,7 @@ class Scheduler:
         if not ready:
             return []
         n = min(r.batch, len(ready))
-        turn = next(self._rr)
+        turn = next(self._turns)
         ready.sort(key=lambda i: (len(self.compositors[i].active), (i + turn) % len(self.compositors)))
         bounds = [r.batch * k // n for k in range(n + 1)]
         plan = [Chunk(ready[k], bounds[k], bounds[k + 1]) for k in range(n)]

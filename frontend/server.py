@@ -612,6 +612,9 @@ class Frontend:
         procs = self.engine.workers if msg.role == "gpu" else self.engine.compositors
         if 0 <= msg.index < len(procs) and msg.restarts > procs[msg.index].restarts:
             self.metrics.restarts.labels(msg.role.value).inc(msg.restarts - procs[msg.index].restarts)
+        if msg.role == "gpu" and msg.device and 0 <= msg.index < len(procs) \
+                and not procs[msg.index].device.startswith(msg.device + "="):
+            procs[msg.index].device = msg.device   # a GPU host slot found by DNS says which host it is now
         self.apply(self.engine.process_event(msg.role.value, msg.index, msg.state, msg.pid, msg.restarts))
         self._gauges()
 

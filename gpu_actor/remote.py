@@ -25,6 +25,7 @@ import zmq
 from config import Config
 from config.geometry import MOUTH_SHAPE, mouths_from_uint8, valid_model_id
 from config.keys import make_client
+from gpu_actor.discovery import SlotWatcher, parse_dns_device
 from gpu_actor.worker import hand_off
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
@@ -36,13 +37,24 @@ from shm.ring import RingError, SlotRing
 
 log = logging.getLogger(__name__)
 FROM_HOST = (Pong, InferDone, LoadDone, StatsReport)
+FIRST_RESOLVE_S = 2.0     # a DNS slot waits this long at start for its first answer (then: vacant)
 
 class RemoteWorker:
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
         self.config, self.index = config, index
         self.device = run.devices[index]
-        self.endpoint = self.device.removeprefix("remote:")
-        host = next(h for h in config.bridge.hosts if h.endpoint == self.endpoint)
+        dns = parse_dns_device(self.device)
+        if dns is None:
+            self.endpoint: Optional[str] = self.device.removeprefix("remote:")
+            host = next(h for h in config.bridge.hosts if h.endpoint == self.endpoint)
+            self.watcher = None
+        else:   # a slot for one of the hosts behind a DNS name (gpu_actor/discovery.py)
+            name, port, slot = dns
+            host = next(h for h in config.bridge.hosts if (h.dns, h.port) == (name, port))
+            self.watcher = SlotWatcher(name, port, slot, host.max_hosts, config.bridge.resolve_s).start()
+            self.watcher.resolved.wait(FIRST_RESOLVE_S)
+            self.endpoint = self.watcher.endpoint
+        self._server_key = host.server_key
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
@@ -50,14 +62,13 @@ class RemoteWorker:
         self.inputs = SlotRing.attach(run.input_rings[index])
         self.outputs = SlotRing.attach(run.output_rings[index])
         self.outputs.become_writer()
-        self.host = network_socket(ctx, zmq.DEALER, config.limits.max_message_bytes)
-        if config.bridge.client_secret_key:
-            make_client(self.host, config.bridge.client_secret_key, host.server_key, "bridge")
-        self.host.connect(self.endpoint)
+        self._ctx = ctx
+        self.host = self._connect(self.endpoint) if self.endpoint else None
         self.pending: dict[int, InferTask] = {}
         # "ready", "starting" (host answers, none of its workers is ready yet) or "unreachable";
         # None until the first heartbeat is answered or missed (the supervisor has said "ready").
-        self.state: Optional[ProcState] = None
+        self.state: Optional[ProcState] = None if self.endpoint else ProcState.VACANT
+        self.ready_state = self.state or ProcState.READY   # what the supervisor is told at start
         self.loaded: set[str] = set()
         self._last_pong = time.monotonic()
         self._next_ping = 0.0
@@ -68,17 +79,54 @@ class RemoteWorker:
         self._stopping = True
 
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
         self.inputs.close()
         self.outputs.close()
 
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = network_socket(self._ctx, zmq.DEALER, self.config.limits.max_message_bytes)
+        if self.config.bridge.client_secret_key:
+            make_client(sock, self.config.bridge.client_secret_key, self._server_key, "bridge")
+        sock.connect(endpoint)
+        return sock
+
+    def _switch(self, endpoint: Optional[str]) -> None:
+        """A DNS slot's host changed: the old one's work gets `unavailable`, the new one is used once it
+        answers a heartbeat; None: no host behind this slot now (vacant)."""
+        old = self.endpoint
+        log.info("GPU host slot %s: %s -> %s", self.device, old or "vacant", endpoint or "vacant")
+        if self.host is not None:
+            self.poller.unregister(self.host)
+            self.host.close(linger=0)
+            self.host = None
+        for req in list(self.pending):
+            self._done(req, ErrorCode.UNAVAILABLE, f"GPU host {old} left (it is no longer behind its DNS name); retry")
+        self.pending.clear()
+        self._sync_models(set())
+        self.endpoint = endpoint
+        if endpoint is None:
+            self.state = ProcState.VACANT
+        else:
+            self.host = self._connect(endpoint)
+            self.poller.register(self.host, zmq.POLLIN)
+            self.state = ProcState.UNREACHABLE   # until it answers a heartbeat: then READY is reported
+            self._last_pong, self._next_ping = time.monotonic(), 0.0
+        self._report(self.state)
+
     def run(self) -> None:
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         poller.register(self.tasks, zmq.POLLIN)
-        poller.register(self.host, zmq.POLLIN)
+        if self.host is not None:
+            poller.register(self.host, zmq.POLLIN)
+        if self.state is ProcState.VACANT:
+            self._report(self.state)
         beat = self.config.bridge.heartbeat_s
         while not self._stopping:
+            if self.watcher is not None and self.watcher.endpoint != self.endpoint:
+                self._switch(self.watcher.endpoint)
             events = dict(poller.poll(int(beat * 1000 / 2)))
-            if events.get(self.host):
+            if self.host is not None and events.get(self.host):
                 while self.host.poll(0):
                     frames = self.host.recv_multipart(copy=False)
                     try:
@@ -92,6 +140,8 @@ class RemoteWorker:
             self._heartbeat()
 
     def _send_host(self, frames: list) -> bool:
+        if self.host is None:
+            return False
         try:
             self.host.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)  # the one copy into the socket
             return True
@@ -100,6 +150,10 @@ class RemoteWorker:
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
+        if self.host is None:   # vacant: said again every second, like unreachable
+            if now >= self._next_report:
+                self._report(ProcState.VACANT)
+            return
         if now >= self._next_ping:
             self._send_host([encode(Ping(sent=now))])
             self._next_ping = now + self.config.bridge.heartbeat_s
@@ -108,20 +162,25 @@ class RemoteWorker:
             self.state = ProcState.UNREACHABLE
             self.pending.clear()  # the frontend answers them all `unavailable`
             self._report(self.state)
-        elif self.state in (ProcState.UNREACHABLE, ProcState.STARTING) and now >= self._next_report:
+        elif now >= self._next_report and (self.state in (ProcState.UNREACHABLE, ProcState.STARTING)
+                                           or (self.watcher is not None and self.state is not None)):
+            # NOTE: a DNS slot says every state again each second: the supervisor only knows its
+            # process is up, and says "ready" to a restarted frontend.
             # Repeated while not ready, so a restarted frontend learns it too, and so it outlasts the
             # supervisor's own "ready" for this process should that arrive later.
             self._report(self.state)
 
     def _report(self, state: ProcState) -> None:
         self._next_report = time.monotonic() + 1.0
+        device = self.device if self.watcher is None else f"{self.device}={self.endpoint or 'vacant'}"
         self.to_frontend.send(encode(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
-                                                  device=self.device)))
+                                                  device=device)))
 
     def _from_frontend(self, msg) -> None:
         if isinstance(msg, InferTask):
             not_ready = {ProcState.UNREACHABLE: "is unreachable",
-                         ProcState.STARTING: "has no ready inference worker"}.get(self.state)
+                         ProcState.STARTING: "has no ready inference worker",
+                         ProcState.VACANT: "(a DNS slot) has no host behind it"}.get(self.state)
             if not_ready:
                 self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
                 return
@@ -163,8 +222,8 @@ class RemoteWorker:
             state = ProcState.READY if msg.workers_ready else ProcState.STARTING
             if state != self.state:
                 log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
-                if self.state is not None or state is not ProcState.READY:
-                    self._report(state)
+                if self.state is not None or state is not ProcState.READY or self.watcher is not None:
+                    self._report(state)   # (a DNS slot says which host it now is)
                 self.state = state
             self._sync_models({m for m in msg.loaded if valid_model_id(m)})
         elif isinstance(msg, InferDone):

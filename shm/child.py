@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 import zmq
 
 from shm.endpoints import RunSpec, make_socket
+from shm.codes import ProcState
 from shm.messages import Fatal, Ready, encode
 
 
@@ -82,7 +83,8 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
     try:
         actor = build(ctx)
         signal.signal(signal.SIGTERM, lambda *_: actor.stop())
-        supervisor.send(encode(Ready(role=role, index=index, pid=os.getpid(), device=actor.device)))
+        supervisor.send(encode(Ready(role=role, index=index, pid=os.getpid(), device=actor.device,
+                                     state=getattr(actor, "ready_state", ProcState.READY))))
         actor.run()
     except BaseException as err:
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):

@@ -252,6 +252,7 @@ class Ready(_Msg):
     index: int
     pid: int
     device: str = ""
+    state: ProcState = ProcState.READY   # VACANT: a GPU-host slot (DNS) with no host behind it yet
 
 
 class Fatal(_Msg):

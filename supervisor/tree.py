@@ -26,6 +26,7 @@ from cpu_actor.worker import run_cpu_process
 from frontend.server import run_frontend_process
 from config.geometry import MOUTH_BYTES, input_slot_bytes
 from frontend.bridge import run_bridge_process
+from gpu_actor.discovery import dns_device
 from gpu_actor.remote import run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
 from shm.codes import ProcState
@@ -64,6 +65,7 @@ class Child:
     crash_times: list[float] = field(default_factory=list)
     restart_at: float = 0.0
     last_error: str = ""
+    ready_state: ProcState = ProcState.READY   # what a ready process says it is (VACANT: an empty DNS slot)
 
     @property
     def name(self) -> str:
@@ -72,7 +74,9 @@ class Child:
 
 def resolve_devices(config: Config, role: str = "all") -> list[str]:
     """One entry per inference worker: 'cpu', 'cuda:N', or 'remote:<endpoint>' (a GPU host)."""
-    remote = [f"remote:{h.endpoint}" for h in config.bridge.hosts] if role != "gpu" else []
+    remote = []
+    for h in config.bridge.hosts if role != "gpu" else ():
+        remote += [f"remote:{h.endpoint}"] if h.endpoint else [dns_device(h.dns, h.port, i) for i in range(h.max_hosts)]
     if role == "edge":
         if not remote:
             raise StartError("--role edge needs GPU hosts: list them in bridge.hosts")
@@ -187,7 +191,8 @@ class Supervisor:
             return
         pid = child.process.pid if child.process is not None else None
         device = self.run.devices[child.index] if child.role == "gpu" else "cpu"
-        self.to_frontend.send(encode(ProcessEvent(role=child.role, index=child.index, pid=pid, state=child.state,
+        state = child.ready_state if child.state is ProcState.READY else child.state
+        self.to_frontend.send(encode(ProcessEvent(role=child.role, index=child.index, pid=pid, state=state,
                                                   restarts=child.restarts, device=device)))
 
     def start(self) -> None:
@@ -229,8 +234,9 @@ class Supervisor:
             child = self._find(msg.role, msg.index)
             if child.process is None or child.process.pid != msg.pid:
                 return
-            child.state = ProcState.READY
-            log.info("%s ready (pid %d)", child.name, msg.pid)
+            child.state, child.ready_state = ProcState.READY, msg.state
+            log.info("%s ready (pid %d)%s", child.name, msg.pid, "" if msg.state is ProcState.READY else
+                     f", {msg.state.value}")
             if child.role in ("frontend", "bridge") and child.restarts:
                 for sock in self.to_gpu + self.to_cpu:
                     sock.send(encode(ResetRequests()))

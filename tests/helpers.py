@@ -200,13 +200,15 @@ class Server:
 
 @contextmanager
 def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role: str = "all",
-               states=("ready",)):
+               states=("ready",), prefix: tuple[str, ...] = ()):
+    """The server as a process (`prefix`: a command to run it under, e.g. `ip netns exec NS`)."""
     cfg_path = tmp_path / f"server-{time.monotonic_ns()}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     log = cfg_path.with_suffix(".log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", role, "--config", str(cfg_path)], cwd=ROOT,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "supervisor", "--role", role, "--config", str(cfg_path)],
+                                cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, config["frontend"]["bind"][0], log, curve)
     try:
@@ -221,7 +223,7 @@ def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role:
 
 
 @contextmanager
-def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0):
+def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0, prefix: tuple[str, ...] = ()):
     """A `--role gpu` supervisor; ready once it prints its summary. With `clock_skew_s`, every process of
     it reads a monotonic clock that far ahead (tests/skewed_clock): a host with another uptime."""
     cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
@@ -232,7 +234,7 @@ def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0):
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "skewed_clock"), env.get("PYTHONPATH", "")])
         env["LIPSYNC_TEST_CLOCK_SKEW_S"] = str(clock_skew_s)
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "supervisor", "--role", "gpu", "--config", str(cfg)],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + 60
     while "role gpu: serving" not in log.read_text():

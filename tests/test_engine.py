@@ -234,3 +234,15 @@ def test_readiness_in_every_state():
     assert status == "not ready" and status not in SERVING, "a restart is not a start"
     assert readiness([worker(0, R)], [CompositorState(state=ProcState.RESTARTING)], True, False)[0] == "not ready"
     assert readiness([worker(0, R)], ready_cpu, True, draining=True)[0] == "draining"
+
+
+def test_round_robin_alternates_composite_requests_over_two_workers():
+    e = engine(workers=2)
+    e.routing = "round_robin"
+    workers = []
+    for _ in range(6):
+        r = Request(Kind.COMPOSITE, "m", 1, deadline=1e9)
+        e.submit(r, 0.0)
+        workers.append(r.worker)
+        e.fail(r.req, ErrorCode.TIMEOUT, "done with it")
+    assert workers == [0, 1, 0, 1, 0, 1]
