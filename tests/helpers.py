@@ -200,15 +200,15 @@ class Server:
 
 @contextmanager
 def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role: str = "all",
-               states=("ready",), prefix: tuple[str, ...] = ()):
+               states=("ready",), prefix: tuple[str, ...] = (), env: Optional[dict] = None, cwd: Path = ROOT):
     """The server as a process (`prefix`: a command to run it under, e.g. `ip netns exec NS`)."""
     cfg_path = tmp_path / f"server-{time.monotonic_ns()}.yaml"
     cfg_path.write_text(yaml.safe_dump(config))
     log = cfg_path.with_suffix(".log")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as out:
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "supervisor", "--role", role, "--config", str(cfg_path)],
-                                cwd=ROOT,
+                                cwd=cwd,
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(proc, config["frontend"]["bind"][0], log, curve)
     try:

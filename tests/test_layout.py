@@ -35,7 +35,7 @@ def test_room_imports_only_what_its_docstring_allows(room):
 
 
 def test_top_level_holds_only_the_designed_rooms():
-    allowed = set(ROOMS) | {"tests", "docs", "bench", "pyproject.toml", "README.md", "dev.py", ".ci",
-                            ".gitignore", ".git", ".venv", ".pytest_cache", "build", "wheels"}
+    allowed = set(ROOMS) | {"tests", "docs", "bench", "deploy", "pyproject.toml", "README.md", "dev.py", ".ci",
+                            ".gitignore", ".dockerignore", ".git", ".venv", ".pytest_cache", "build", "wheels"}
     extra = {p.name for p in ROOT.iterdir() if not p.name.endswith(".egg-info")} - allowed
     assert not extra, f"unexpected top-level entries: {sorted(extra)}"
