@@ -51,7 +51,8 @@ class RemoteWorker:
         else:   # a slot for one of the hosts behind a DNS name (gpu_actor/discovery.py)
             name, port, slot = dns
             host = next(h for h in config.bridge.hosts if (h.dns, h.port) == (name, port))
-            self.watcher = SlotWatcher(name, port, slot, host.max_hosts, config.bridge.resolve_s).start()
+            table = os.path.join(run.run_dir, f"dns-{name}-{port}.json")
+            self.watcher = SlotWatcher(name, port, slot, host.max_hosts, config.bridge.resolve_s, table).start()
             self.watcher.resolved.wait(FIRST_RESOLVE_S)
             self.endpoint = self.watcher.endpoint
         self._server_key = host.server_key

@@ -5,6 +5,7 @@ edits the way a headless Service's records change)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from frontend.client import AsyncClient, ServerError
 from gpu_actor.discovery import assign_slots
 from tests.conftest import TEST_PREFIX
 from tests.helpers import ROOT, base_config, free_port, gpu_host, make_avatar, run_server
@@ -26,11 +28,16 @@ NAME = "gpu-hosts.lipsync.test"
 
 def test_slots_keep_their_hosts_when_others_come_and_go():
     hosts = [f"10.0.0.{i}" for i in range(1, 6)]
-    before = assign_slots(hosts, 16)
+    before = assign_slots(hosts, 4 * 2)
     assert sorted(before.values()) == hosts and len(set(before)) == 5
-    after = assign_slots(hosts[:2] + hosts[3:] + ["10.0.0.9"], 16)   # one goes, one comes
+    after = assign_slots(hosts[:2] + hosts[3:] + ["10.0.0.9"], 8, before)   # one goes, one comes
     moved = [a for s, a in before.items() if a != "10.0.0.3" and after.get(s) != a]
-    assert not moved, "hosts that stayed kept their slots"
+    assert not moved and "10.0.0.9" in after.values(), "hosts that stayed kept their slots"
+    # Two hosts whose hashes name the same slot: the one that stays keeps the slot it got.
+    pair = assign_slots(["127.0.0.2", "127.0.0.3"], 4)
+    assert len(pair) == 2
+    kept = assign_slots(["127.0.0.3"], 4, pair)
+    assert kept == {s: a for s, a in pair.items() if a == "127.0.0.3"}
     assert len(assign_slots([f"10.1.0.{i}" for i in range(20)], 8)) == 8, "at most max_hosts"
     assert assign_slots([], 4) == {}
 
@@ -66,8 +73,7 @@ def set_hosts(path: Path, addresses: list[str]) -> None:
 
 
 def wait_hosts(srv, want: set[str], timeout_s: float = 30.0) -> dict:
-    """Until the ready GPU-host slots are exactly `want` (addresses), one slot each, the rest vacant.
-    (A host may move to another slot on the way, when its slot collided with one that left.)"""
+    """Until the ready GPU-host slots are exactly `want` (addresses), one slot each, the rest vacant."""
     deadline = time.monotonic() + timeout_s
     while True:
         health = srv.health()
@@ -92,6 +98,7 @@ def test_an_edge_adds_and_retires_gpu_hosts_found_by_dns(netns, tmp_path):
     set_hosts(hosts, ["127.0.0.2"])
     models = tmp_path / "models"
     make_avatar(models, "a", n_frames=3)
+    make_avatar(models, "slow", n_frames=3, kind="unet328")   # ~0.15 s a frame: work stays in flight
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "supervisor", "keys", str(keys), "gpu", "edge"], cwd=ROOT, check=True,
                    capture_output=True, timeout=60)
@@ -122,6 +129,23 @@ def test_an_edge_adds_and_retires_gpu_hosts_found_by_dns(netns, tmp_path):
         wait_hosts(srv, {"127.0.0.2", "127.0.0.3"})
         assert len(served_by(srv, 6)) == 2, "both hosts serve"
 
-        set_hosts(hosts, ["127.0.0.3"])                 # and one goes
+        # And one goes, with work in flight on both: the retired host's requests end `unavailable`
+        # at once (a retry goes to the other), the rest are served.
+        async def burst():
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+                async def one():
+                    try:
+                        return (await client.composite("slow", np.zeros((8, 32, 16, 16), np.float32)))[0]["worker"]["index"]
+                    except ServerError as err:
+                        return err.code
+                tasks = [asyncio.create_task(one()) for _ in range(6)]
+                await asyncio.sleep(1.0)
+                set_hosts(hosts, ["127.0.0.3"])
+                return await asyncio.gather(*tasks)
+
+        t0 = time.monotonic()
+        outcomes = Counter(asyncio.run(burst()))
+        assert outcomes["unavailable"] >= 1 and sum(v for k, v in outcomes.items() if k != "unavailable") >= 1, outcomes
+        assert time.monotonic() - t0 < 30
         wait_hosts(srv, {"127.0.0.3"})
         assert len(served_by(srv, 4)) == 1
