@@ -25,6 +25,7 @@ from config.geometry import crop_328
 from config.schema import H264Config
 from cpu_actor.composite import mouth_to_uint8, paste
 from cpu_actor.h264 import apply_box, encode_frame, open_encoder, pack_box, to_i420
+from shm.messages import H264Settings
 
 
 def run(models_dir: str, model: str = "demo", frames: int = 240) -> dict:
@@ -43,7 +44,7 @@ def run(models_dir: str, model: str = "demo", frames: int = 240) -> dict:
     w, h = assets.width, assets.height
 
     def encoder():
-        return open_encoder(w, h, 25.0, cfg.bitrate, cfg.preset, cfg.gop)
+        return open_encoder(w, h, H264Settings(fps=25.0, bitrate=cfg.bitrate, preset=cfg.preset, gop=cfg.gop))
 
     # The composited frames, already I420: what bare libx264 gets.
     ready = []

@@ -30,6 +30,7 @@ import cv2
 import numpy as np
 
 from config.geometry import INNER
+from shm.messages import H264Settings
 
 _BOX = struct.Struct("<4H")
 IDLE_ENCODER_S = 60.0     # an encoder whose session sent nothing for this long is dropped
@@ -93,10 +94,11 @@ def apply_box(i420: np.ndarray, width: int, height: int, box: bytes) -> None:
     v[y1 // 2:y2 // 2, x1 // 2:x2 // 2] = data[w * h + q:].reshape(h // 2, w // 2)
 
 
-def open_encoder(width: int, height: int, fps: float, bitrate: int, preset: str, gop: int) -> av.VideoCodecContext:
+def open_encoder(width: int, height: int, settings: H264Settings) -> av.VideoCodecContext:
     """libx264 for live frames: constrained baseline (what browsers decode), no B-frames and no
     look-ahead (zerolatency: one frame in, one access unit out), Annex-B with SPS/PPS before every IDR,
     an IDR every `gop` frames and none from scene cuts, one thread (the process pool is the parallelism)."""
+    fps, bitrate, preset, gop = settings.fps, settings.bitrate, settings.preset, settings.gop
     ctx = av.CodecContext.create("libx264", "w")
     ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"
     rate = Fraction(fps).limit_denominator(1001)
@@ -131,16 +133,17 @@ class Encoders:
     def __len__(self) -> int:
         return len(self._by_session)
 
-    def get(self, session: str, settings: tuple) -> tuple[av.VideoCodecContext, bool]:
+    def get(self, session: str, width: int, height: int, settings: H264Settings) -> tuple[av.VideoCodecContext, bool]:
         """(encoder, new): a new session, or new settings, starts a new encoder (its first frame is an IDR)."""
         now = time.monotonic()
+        key = (width, height, settings)
         entry = self._by_session.get(session)
-        if entry is not None and entry[1] == settings:
-            self._by_session[session] = (entry[0], settings, now)
+        if entry is not None and entry[1] == key:
+            self._by_session[session] = (entry[0], key, now)
             self._by_session.move_to_end(session)
             return entry[0], False
-        ctx = open_encoder(*settings)
-        self._by_session[session] = (ctx, settings, now)
+        ctx = open_encoder(width, height, settings)
+        self._by_session[session] = (ctx, key, now)
         self._by_session.move_to_end(session)
         return ctx, True
 

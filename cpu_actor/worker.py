@@ -252,8 +252,7 @@ class Compositor:
         try:
             assets = self.assets.get(task.model, task.version)
             assets.check_frames([item.frame for item in task.items])
-            s = task.settings
-            ctx, _ = self.encoders.get(task.session, (assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop))
+            ctx, _ = self.encoders.get(task.session, assets.width, assets.height, task.settings)
             units = []
             for item in task.items:
                 i420, _, _ = self._i420(assets, item.frame, scratch=True)
@@ -280,8 +279,7 @@ class Compositor:
             assets = self.assets.get(task.model, task.version)
             if ctx is None:
                 assets.check_frames(task.frames)
-                s = task.settings
-                ctx = open_encoder(assets.width, assets.height, s.fps, s.bitrate, s.preset, s.gop)
+                ctx = open_encoder(assets.width, assets.height, task.settings)
                 self.loops[0] = (task, ctx, units)
             i420, _, _ = self._i420(assets, task.frames[len(units)], scratch=True)
             units.append(encode_frame(ctx, i420, len(units), not units))

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import zmq
 
 from frontend import protocol as P
 from frontend.alarm import Alarm
 from frontend.backlog import Backlogs
 from frontend.engine import Kind, Request
 from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME, WINDOW_ROWS
-from frontend.live_h264 import H264Live
+from frontend.live_h264 import H264Live, frame_bytes
 from frontend.sessions import Session, SessionTable
 from frontend.validate import RequestError, Tensors
 from shm.codes import ErrorCode
@@ -333,10 +332,8 @@ class Live:
                           quality=render.quality, deadline=r.deadline, version=render.version)
 
     def done(self, r: Request) -> None:
-        if r.kind is Kind.IDLE and not isinstance(r.data, IdleRender):
-            self.h264.done(r)
-        elif r.kind is Kind.IDLE:
-            self.idle_done(r)
+        if r.kind is Kind.IDLE:
+            (self.idle_done if isinstance(r.data, IdleRender) else self.h264.done)(r)
         elif isinstance(r.data, Pin):
             session = self.table.get(r.data.token)
             worker = r.results[0].worker if r.results else None
@@ -348,10 +345,8 @@ class Live:
             self.speech_done(r)
 
     def failed(self, r: Request, message: str) -> None:
-        if r.kind is Kind.IDLE and not isinstance(r.data, IdleRender):
-            self.h264.failed(r, message)
-        elif r.kind is Kind.IDLE:
-            self.idle_failed(r, message)
+        if r.kind is Kind.IDLE:
+            (self.idle_failed if isinstance(r.data, IdleRender) else self.h264.failed)(r, message)
         elif isinstance(r.data, Pin):
             log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
         else:
@@ -364,7 +359,7 @@ class Live:
             images = [bytes(img) for img in images]
             self.fe._release_images(r.req, r.image_slots)
         elif r.data.header.format == "i420":   # H.264 face boxes: they go on to the session's encoder
-            images = [img.bytes if isinstance(img, zmq.Frame) else bytes(img) for img in images]
+            images = [frame_bytes(img) for img in images]
         for (token, k), image in zip(r.data.targets, images):
             session = self.table.get(token)
             if session is not None:
@@ -382,7 +377,7 @@ class Live:
         images = [img for start in sorted(r.images) for img in r.images[start]]
         for key, image in zip(render.keys, images):
             self.idle.rendering.discard(key)
-            self.idle.put(key, image.bytes if isinstance(image, zmq.Frame) else bytes(image))
+            self.idle.put(key, frame_bytes(image))
 
     def idle_failed(self, r: Request, message: str) -> None:
         for key in r.data.keys:
@@ -427,8 +422,9 @@ class Live:
         for session in self.table.due(now):
             if session.h264 is not None:
                 self.h264.tick(session, now)
-            for frame in session.advance(now) if session.h264 is None else ():
-                self.send(session, frame, now)
+            else:
+                for frame in session.advance(now):
+                    self.send(session, frame, now)
             if session.next_index % max(int(session.fps // 2), 1) == 0:
                 self._prefetch(session)
             self.table.schedule(session)

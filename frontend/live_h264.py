@@ -43,15 +43,15 @@ class LoopJob:
     message: EncodeLoop
 
 
-def _bytes(frame) -> bytes:
+def frame_bytes(frame) -> bytes:
+    """A received ZeroMQ frame (or any buffer) as bytes the frontend can keep."""
     return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
 
 
 class H264Live:
     def __init__(self, live: Live):
         self.live, self.fe = live, live.fe
-        cfg = live.cfg.h264
-        self.cfg = cfg
+        self.cfg = live.cfg.h264
 
     def settings(self, session: Session) -> H264Settings:
         return H264Settings(fps=session.fps, bitrate=self.cfg.bitrate, preset=self.cfg.preset, gop=self.cfg.gop)
@@ -165,7 +165,7 @@ class H264Live:
         return message
 
     def done(self, r: Request) -> None:
-        units = [_bytes(u) for start in sorted(r.images) for u in r.images[start]]
+        units = [frame_bytes(u) for start in sorted(r.images) for u in r.images[start]]
         if isinstance(r.data, LoopJob):
             self.live.idle.rendering.discard(r.data.key)
             self.live.idle.put(r.data.key, units, sum(map(len, units)))

@@ -31,7 +31,7 @@ from frontend import control
 from frontend.alarm import Alarm
 from frontend import protocol as P
 from frontend.backlog import Backlogs
-from frontend.catalog import Catalog, CatalogError, ModelSpec
+from frontend.catalog import Catalog, ModelSpec
 from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Render,
                              Reply, Request, ResetInputs, Scheduler, SendWorker)
 from frontend import probes

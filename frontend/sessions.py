@@ -25,7 +25,7 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from config.assets import frame_index
-from config.audio import SAMPLES_PER_FRAME, WINDOW_ROWS, PcmStream, frame_audio, gather_rows, window_rows
+from config.audio import SAMPLES_PER_FRAME, PcmStream, frame_audio, gather_rows, window_rows
 
 LOOKAHEAD = 7
 PCM_LOOKAHEAD_FRAMES = 12  # pcm16: frame i's window needs 7,240 samples past its start (config/audio.PcmStream)

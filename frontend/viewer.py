@@ -125,21 +125,24 @@ class Viewer:
         watch = self.tokens.get(self.by_session.get(session.token, ""))
         if watch is None or not watch.peers:
             return
+        peers = [p for p in watch.peers if p.started or keyframe]
+        if not peers:
+            return
+        packet = av.Packet(au)
+        packet.pts = round(frame.index * VIDEO_CLOCK / watch.fps)
+        packet.time_base = Fraction(1, VIDEO_CLOCK)
         pcm = np.frombuffer(audio, "<i2") if audio is not None else np.zeros(SAMPLES_PER_FRAME, np.int16)
-        halves = pcm.reshape(2, -1)   # Opus packets of 20 ms: one RTP timestamp each
-        for peer in watch.peers:
-            if not peer.started and not keyframe:
-                continue
+        halves = []   # Opus packets of 20 ms: one RTP timestamp each
+        for i, half in enumerate(pcm.reshape(2, -1)):
+            samples = av.AudioFrame.from_ndarray(half.reshape(1, -1).copy(), format="s16", layout="mono")
+            samples.sample_rate = SAMPLE_RATE
+            samples.pts = round(frame.index * SAMPLE_RATE / watch.fps) + i * half.size
+            samples.time_base = Fraction(1, SAMPLE_RATE)
+            halves.append(samples)
+        for peer in peers:   # the same packets for every peer: aiortc only reads them
             peer.started = True
-            packet = av.Packet(au)
-            packet.pts = round(frame.index * VIDEO_CLOCK / watch.fps)
-            packet.time_base = Fraction(1, VIDEO_CLOCK)
             peer.video.put(packet)
-            for i, half in enumerate(halves):
-                samples = av.AudioFrame.from_ndarray(half.reshape(1, -1).copy(), format="s16", layout="mono")
-                samples.sample_rate = SAMPLE_RATE
-                samples.pts = round(frame.index * SAMPLE_RATE / watch.fps) + i * half.size
-                samples.time_base = Fraction(1, SAMPLE_RATE)
+            for samples in halves:
                 peer.audio.put(samples)
 
     # -- HTTP -----------------------------------------------------------------------------------

@@ -11,11 +11,9 @@ unexpected message is logged and dropped, never fatal.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
-from collections import deque
 from typing import Optional
 
 import msgspec

@@ -119,6 +119,17 @@ def mirror_index(k: int, n: int) -> int:
     return seq[k % (2 * n)]
 
 
+def frames_for(session, seconds: float) -> list:
+    """(arrival time, header, image) of every frame a live session (frontend.stream.Session) pushes
+    within `seconds`."""
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
+        if frame is not None and frame[0].get("event") == "frame":
+            out.append((time.monotonic(), *frame[:2]))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -175,8 +175,18 @@ def test_the_package_the_images_install_serves_outside_the_source_tree(tmp_path)
     from frontend.stream import Session
     from tests.helpers import base_config, free_port, make_avatar, run_server
 
-    wheels, site = tmp_path / "wheels", tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+    # Built from what the container files COPY, in a directory of its own: a build in the checkout
+    # would leave build/ there, whose stale modules a later wheel would carry.
+    src, wheels, site = tmp_path / "src", tmp_path / "wheels", tmp_path / "site"
+    for line in (ln for ln in IMAGES["cpu"].read_text().splitlines() if ln.startswith("COPY ") and "--from" not in ln):
+        *sources, _ = line.split()[1:]
+        for source in sources:
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, src / source, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                src.mkdir(exist_ok=True)
+                shutil.copy(ROOT / source, src / source)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(src)],
                    check=True, capture_output=True, timeout=600)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                     *map(str, wheels.glob("*.whl"))], check=True, capture_output=True, timeout=600)

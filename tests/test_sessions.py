@@ -17,7 +17,7 @@ from config import audio as A
 from frontend.client import ServerError
 from frontend.stream import Session
 from gpu_actor.model_builder import write_audio_encoder
-from tests.helpers import base_config, decode_image, make_avatar, mirror_index, run_server
+from tests.helpers import base_config, decode_image, frames_for, make_avatar, mirror_index, run_server
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 5
@@ -39,15 +39,6 @@ def server(models, tmp_path_factory):
                                         "max_queued_frames": 10})
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
         yield srv
-
-
-def frames_for(session: Session, seconds: float) -> list:
-    out, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
-        if frame is not None and frame[0].get("event") == "frame":
-            out.append((time.monotonic(), *frame[:2]))
-    return out
 
 
 def background(models, k: int) -> np.ndarray:

@@ -5,7 +5,6 @@ guarded."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import urllib.error
 import urllib.request
