@@ -30,6 +30,8 @@ FPS = 25
 FEATURES = 512                       # encoder output per input
 WINDOW_ROWS = 16                     # feature rows per video frame: i-8 .. i+7
 SAMPLES_PER_FRAME = SAMPLE_RATE // FPS   # 640: the 40 ms of audio that plays with one frame
+ENCODER_INPUT_SHAPE = (1, N_MELS, MEL_WINDOW)   # one encoder input: a mel window
+ENCODER_INPUT_BYTES = 4 * N_MELS * MEL_WINDOW
 AUDIO_SHAPE = (32, 16, 16)           # WINDOW_ROWS * FEATURES, as the ave model takes it
 
 

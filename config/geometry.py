@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 
-import cv2
 import numpy as np
 
 CROP_SIZE = 328
@@ -61,4 +60,5 @@ def crop_328(background: np.ndarray, rect) -> np.ndarray:
     """Step 1 of SyncTalk_2D's compositing, and the source of the visual input: the clipped crop box
     resized to 328x328, bicubic."""
     x1, y1, x2, y2 = (int(v) for v in rect)
+    import cv2   # NOTE: here, not at the top: the frontend and the client need this module, not OpenCV
     return cv2.resize(background[y1:y2, x1:x2], (CROP_SIZE, CROP_SIZE), interpolation=cv2.INTER_CUBIC)

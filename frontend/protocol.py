@@ -15,8 +15,6 @@ import msgspec
 from config.geometry import MODEL_ID_PATTERN, MOUTH_SHAPE
 from shm.codes import ErrorCode, ProcState, Role
 
-PROTOCOL_VERSION = 1
-
 
 class Op(str, enum.Enum):
     HEALTH = "health"
@@ -227,14 +225,6 @@ class FrameEvent(msgspec.Struct, kw_only=True):
     frame: int                        # background frame index
     keyframe: bool = False            # h264: this access unit starts with an IDR (decoding can start here)
 
-
-class SessionEvent(msgspec.Struct, kw_only=True):
-    event: Literal["closed", "error"]
-    session: str
-    message: str = ""
-
-
-Reply = Union[ErrorReply, CompositeReply, InferReply, HealthReply, ModelsReply, LoadReply, StatsReply]
 
 _encoder = msgspec.json.Encoder()
 

@@ -23,9 +23,9 @@ import zmq
 
 from config import Config
 from cpu_actor.worker import run_cpu_process
-from frontend.server import run_frontend_process
+from frontend.server.process import run_frontend_process
 from config.geometry import MOUTH_BYTES, input_slot_bytes
-from frontend.bridge import run_bridge_process
+from frontend.bridge.process import run_bridge_process
 from gpu_actor.discovery import dns_device
 from gpu_actor.remote import run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
@@ -39,7 +39,6 @@ from shm.store import BackgroundStore, store_spec
 log = logging.getLogger("supervisor")
 ENTRIES: dict[str, Callable] = {"gpu": run_gpu_process, "cpu": run_cpu_process, "frontend": run_frontend_process,
                                 "bridge": run_bridge_process, "remote": run_remote_worker_process}
-ROLES = ("all", "gpu", "edge")
 
 
 def install_signal_handlers() -> threading.Event:

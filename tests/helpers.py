@@ -120,7 +120,7 @@ def mirror_index(k: int, n: int) -> int:
 
 
 def frames_for(session, seconds: float) -> list:
-    """(arrival time, header, image) of every frame a live session (frontend.stream.Session) pushes
+    """(arrival time, header, image) of every frame a live session (frontend.client.Session) pushes
     within `seconds`."""
     out, deadline = [], time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Reply,
+from frontend.core.scheduler import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, FreeImages, ReleaseOutput, Done,
                              Request, ResetInputs, Scheduler, SendWorker)
 from shm.codes import ErrorCode, ModelEventKind, ProcState
 from shm.messages import CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsReport
@@ -26,7 +26,7 @@ def of(actions, kind) -> list:
 
 
 def ends(actions) -> list:
-    return of(actions, Reply) + of(actions, Fail)
+    return of(actions, Done) + of(actions, Fail)
 
 
 def held(e: Scheduler) -> dict:
@@ -54,8 +54,8 @@ def test_composite_done_replies_once_and_frees_input_output_and_compositors():
     for chunk in d.plan:
         actions = e.composite_done(CompositeDone(req=r.req, compositor=chunk.compositor, start=chunk.start,
                                                  end=chunk.end, ok=True, width=8, height=6), [b"x"] * 2)
-    assert ends(actions) == [Reply(r)] and of(actions, ReleaseOutput) == [ReleaseOutput(0, r.req)]
-    assert actions.index(Reply(r)) < actions.index(ReleaseOutput(0, r.req)), "reply before the slot is freed"
+    assert ends(actions) == [Done(r)] and of(actions, ReleaseOutput) == [ReleaseOutput(0, r.req)]
+    assert actions.index(Done(r)) < actions.index(ReleaseOutput(0, r.req)), "reply before the slot is freed"
     assert r.size == (8, 6) and sum(len(v) for v in r.images.values()) == 4
     assert held(e) == NOTHING
 
@@ -64,7 +64,7 @@ def test_infer_reply_is_built_before_its_output_slot_is_released():
     e = engine()
     r, _ = submit(e, Kind.INFER)
     actions = e.infer_done(InferDone(req=r.req, worker=0, ok=True, output=None))
-    assert [type(a) for a in actions][:3] == [FreeInput, Reply, ReleaseOutput]
+    assert [type(a) for a in actions][:3] == [FreeInput, Done, ReleaseOutput]
     assert held(e) == NOTHING
 
 
@@ -110,7 +110,7 @@ def test_every_end_of_a_running_composite_frees_exactly_what_it_held(end):
     assert late == [ReleaseOutput(0, r.req)]
     raw_late = e.composite_done(CompositeDone(req=r.req, compositor=0, start=0, end=2, ok=True,
                                               images=object()), [])
-    assert raw_late == [ReleaseImages(0, r.req)]
+    assert raw_late == [FreeImages(0, r.req)]
 
 
 def test_queue_full_is_overloaded_and_queued_requests_take_freed_slots_in_order():
@@ -140,7 +140,7 @@ def test_control_ops_are_their_workers_work(kind):
         assert not ends(actions)
         answer = (StatsReport(req=r.req, worker=1, device="cpu", models={}, loaded=[], queue=0)
                   if kind is Kind.STATS else LoadDone(req=r.req, worker=1, model="m", ok=True))
-        assert ends(e.control_done(answer)) == [Reply(r)]
+        assert ends(e.control_done(answer)) == [Done(r)]
     assert held(e) == NOTHING
 
 
@@ -149,7 +149,7 @@ def test_stats_answers_with_what_came_after_its_gathering_deadline():
     r, _ = submit(e, Kind.STATS, model=None)
     e.control_done(StatsReport(req=r.req, worker=1, device="cpu", models={}, loaded=[], queue=0))
     assert e.tick(e.stats_timeout_s - 0.01) == []
-    assert ends(e.tick(e.stats_timeout_s)) == [Reply(r)] and r.waiting_on == {0}
+    assert ends(e.tick(e.stats_timeout_s)) == [Done(r)] and r.waiting_on == {0}
     assert held(e) == NOTHING
 
 
@@ -201,13 +201,13 @@ def test_messages_naming_unknown_workers_or_requests_are_ignored():
 def test_idle_renders_go_to_the_least_busy_compositor_and_end_like_any_request():
     e = engine(compositors=2)
     busy, _ = submit(e)   # a composite now holds both compositors
-    r, actions = submit(e, Kind.IDLE, batch=3)
+    r, actions = submit(e, Kind.RENDER, batch=3)
     (render,) = [a for a in actions if type(a).__name__ == "Render"]
     assert render.request is r
     done = e.composite_done(CompositeDone(req=r.req, compositor=render.compositor, start=0, end=3, ok=True,
                                           width=8, height=6), [b"x"] * 3)
-    assert ends(done) == [Reply(r)] and not of(done, ReleaseOutput)
-    r2, actions = submit(e, Kind.IDLE, batch=1)
+    assert ends(done) == [Done(r)] and not of(done, ReleaseOutput)
+    r2, actions = submit(e, Kind.RENDER, batch=1)
     c = [a for a in actions if type(a).__name__ == "Render"][0].compositor
     failed = ends(e.process_event("cpu", c, ProcState.RESTARTING, restarts=1))
     assert r2 in [f.request for f in failed] and all(f.code is ErrorCode.UNAVAILABLE for f in failed)
@@ -216,7 +216,7 @@ def test_idle_renders_go_to_the_least_busy_compositor_and_end_like_any_request()
 
 
 def test_readiness_in_every_state():
-    from frontend.engine import CompositorState, WorkerState
+    from frontend.core.scheduler import CompositorState, WorkerState
     from frontend.probes import SERVING, readiness
 
     def worker(i, state, restarts=0, device="remote:tcp://gpu:5570"):

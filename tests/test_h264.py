@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from frontend.client import ServerError
-from frontend.stream import Session
+from frontend.client import Session
 from tests.helpers import base_config, decode_image, frames_for, make_video_avatar, mirror_index, run_server
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@ loop, that every switch starts with an IDR, and that access units leave in order
 
 from __future__ import annotations
 
-from frontend.h264 import H264Stream
-from frontend.sessions import Outgoing
+from frontend.live.h264_plan import H264Stream
+from frontend.live.timeline import Outgoing
 
 GOP, PERIOD = 4, 10
 LOOP = {start: [f"loop{start + i}".encode() for i in range(min(GOP, PERIOD - start))] for start in range(0, PERIOD, GOP)}

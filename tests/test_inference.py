@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from config.assets import AssetError
-from frontend.onnx_io import read_model_io
+from frontend.server.onnx_io import read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
 from gpu_actor.runner import DeviceError, ModelRunner, check_device

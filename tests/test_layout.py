@@ -39,3 +39,123 @@ def test_top_level_holds_only_the_designed_rooms():
                             ".gitignore", ".dockerignore", ".git", ".venv", ".pytest_cache", "build", "wheels"}
     extra = {p.name for p in ROOT.iterdir() if not p.name.endswith(".egg-info")} - allowed
     assert not extra, f"unexpected top-level entries: {sorted(extra)}"
+
+
+# -- frontend/'s sub-rooms ---------------------------------------------------------------------------
+
+SHARED = {"frontend.protocol", "frontend.metrics", "frontend.probes"}
+SUB_ROOMS = {   # sub-room -> the parts of frontend/ it may import (besides itself)
+    "frontend.core": set(),
+    "frontend.live": {"frontend.core"} | SHARED,
+    "frontend.bridge": {"frontend.core"} | SHARED,
+    "frontend.server": {"frontend.core", "frontend.live"} | SHARED,
+    "frontend.client": {"frontend.protocol"},
+}
+MEDIA = ("aiortc", "aiohttp", "av")   # the viewer's stack: frontend/live/viewer.py alone imports it
+
+
+def _module_name(path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_modules() -> dict[str, object]:
+    return {_module_name(p): p for room in ROOMS for p in (ROOT / room).rglob("*.py")}
+
+
+def _imports(path, modules) -> set[str]:
+    """The project modules `path` imports anywhere in it (functions and TYPE_CHECKING blocks too): for
+    `from pkg import name`, the module pkg.name where that is one, else pkg."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return {m for m in out if m in modules or m.split(".")[0] in ROOMS + list(MEDIA) + ["zmq", "yaml", "cv2"]}
+
+
+def test_frontend_sub_rooms_import_only_what_they_may():
+    modules = _project_modules()
+    for name, path in modules.items():
+        room = next((r for r in SUB_ROOMS if name == r or name.startswith(r + ".")), None)
+        frontend_imports = {m for m in _imports(path, modules) if m.startswith("frontend.") and m in modules}
+        if room is not None:
+            allowed = SUB_ROOMS[room] | {room}
+            bad = {m for m in frontend_imports if not any(m == a or m.startswith(a + ".") for a in allowed)}
+            assert not bad, f"{path.relative_to(ROOT)} ({room}) imports {sorted(bad)}"
+        elif name in SHARED:
+            assert not {m for m in frontend_imports if m not in SHARED}, f"{name} imports a sub-room"
+        media = {m for m in _imports(path, modules) if m.split(".")[0] in MEDIA}
+        if name != "frontend.live.viewer" and name.startswith("frontend"):
+            assert not media, f"{path.relative_to(ROOT)} imports {sorted(media)}: only frontend/live/viewer.py may"
+
+
+def test_the_client_sdk_imports_nothing_of_the_server():
+    """In a fresh interpreter: the SDK loads the wire protocol and config's constants, not the server's
+    config loader (YAML), OpenCV, the viewer's stack or any server room."""
+    import subprocess
+    import sys
+    code = ("import sys, frontend.client, frontend.client.__main__, frontend.client.commands; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('yaml', 'cv2', 'aiortc', 'aiohttp', 'av') "
+            "or m in ('config.loader', 'config.schema') or m.startswith(('frontend.core', 'frontend.server', "
+            "'frontend.live', 'frontend.bridge'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_live_and_core_load_without_sockets_or_the_viewer():
+    import subprocess
+    import sys
+    code = ("import sys, frontend.core.shell, frontend.core.scheduler, frontend.live.service, "
+            "frontend.live.h264_encoding; print(sorted(m for m in ('zmq', 'aiortc', 'aiohttp', 'av') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def _cycle(graph: dict[str, set[str]]):
+    """One import circle in `graph`, as a list of modules, or None."""
+    state: dict[str, int] = {}   # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_anywhere():
+    """Module by module, counting imports inside functions and TYPE_CHECKING blocks too (a package's
+    __init__ importing its own submodules is how packages work, and does not count)."""
+    modules = _project_modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = {m for m in _imports(path, modules) if m in modules and m != name}
+        if path.name == "__init__.py":
+            deps = {m for m in deps if not m.startswith(name + ".")}
+        graph[name] = deps
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"], "the search finds a circle"
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"

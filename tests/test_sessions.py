@@ -15,7 +15,7 @@ import zmq
 
 from config import audio as A
 from frontend.client import ServerError
-from frontend.stream import Session
+from frontend.client import Session
 from gpu_actor.model_builder import write_audio_encoder
 from tests.helpers import base_config, decode_image, frames_for, make_avatar, mirror_index, run_server
 

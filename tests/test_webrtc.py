@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from config.audio import speech
-from frontend.stream import AsyncSession, Session
+from frontend.client import AsyncSession, Session
 from tests.helpers import base_config, free_port, make_video_avatar, run_server
 
 pytestmark = pytest.mark.slow

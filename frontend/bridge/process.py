@@ -1,8 +1,9 @@
 """The GPU host's end of the bridge (`--role gpu`): `BridgeServer` takes the frontend's place there.
 
 Edges (gpu_actor/remote.py) connect over CURVE; only the edge keys in `bridge.authorized_keys` get
-in. Each RemoteInfer becomes an engine request (frontend/engine.py, the same engine as the client
-frontend's: routing, slots, queues, gathering, deadlines and worker deaths are handled once), its
+in. Each RemoteInfer becomes an engine request (frontend/core/, the same engine and `Shell` as the
+client frontend's: routing, slots, queues, gathering, deadlines, worker deaths and draining on
+SIGTERM are handled once), its
 tensors are written into a local worker's input ring, and the mouths go back to the edge. Audio-only
 batches travel as audio only: this host builds the visual input from its own copy of the avatar's
 assets (docs/security.md says which role needs which files). Composite mouths go back as the uint8
@@ -25,23 +26,24 @@ import numpy as np
 import zmq
 
 from config import Config
-from config.audio import frame_count
-from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, mouths_to_uint8, valid_model_id
+from config.audio import ENCODER_INPUT_BYTES, WINDOW_ROWS, frame_count
+from config.geometry import VISUAL_BYTES, mouths_to_uint8, valid_model_id
 from config.keys import make_server, public_keys_in, start_authenticator
 from frontend import probes
-from frontend.engine import (Dispatch, Fail, FreeInput, Kind, ReleaseOutput, Reply, Request, ResetInputs, Scheduler,
-                             SendWorker, merge_model_stats)
-from frontend.slots import write_inputs
+from frontend.core.request import Inputs, Kind, Request
+from frontend.core.scheduler import STATS_TIMEOUT_S, Fail, Scheduler, merge_model_stats
+from frontend.core.shell import Shell
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
-from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
-                          ReleaseTask, RemoteInfer, StatsQuery, StatsReport, UnloadModel, decode, encode)
+from shm.messages import (InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer, StatsQuery,
+                          StatsReport, UnloadModel, decode, encode)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
 FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery)
-STATS_TIMEOUT_S = 1.5   # below the edge's own 2 s, so that the edge gets this host's partial answer
+# NOTE: below the edge's own wait (the engine's STATS_TIMEOUT_S), so that the edge gets this host's partial answer
+STATS_WAIT_S = 0.75 * STATS_TIMEOUT_S
 POLL_MS = 500
 
 
@@ -52,14 +54,13 @@ class EdgeCall:
     identity: bytes
     edge_req: int
     message: object                 # the edge's RemoteInfer / LoadModel / UnloadModel / StatsQuery
-    tensors: Optional[list] = None  # RemoteInfer: [visual], audio as bytes, until written into a slot
 
 
 class BridgeError(ValueError):
     """An edge's message that cannot be served; the message says why."""
 
 
-class BridgeServer:
+class BridgeServer(Shell):
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
         self.config, self.device = config, "bridge"
         b = config.bridge
@@ -74,19 +75,20 @@ class BridgeServer:
                                             f"bridge {b.bind}")
         self.edges.bind(b.bind)
         self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend)
-        self.to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
-        self.inputs = [SlotRing.attach(s) for s in run.input_rings]
-        for ring in self.inputs:
+        to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
+        inputs = [SlotRing.attach(s) for s in run.input_rings]
+        for ring in inputs:
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
-        self.engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
-                                config.frontend.routing, STATS_TIMEOUT_S)
+        engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
+                           config.frontend.routing, STATS_WAIT_S)
+        Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
         self._stopping = False
         probes.serve(config.metrics.host, config.metrics.port, self.readiness)
 
     def readiness(self) -> tuple[str, Optional[str]]:
-        return probes.readiness(list(self.engine.workers), [], self.engine.synced(), self._stopping)
+        return probes.readiness(list(self.engine.workers), [], self.engine.synced(), self.draining or self._stopping)
 
     def stop(self) -> None:
         self._stopping = True
@@ -94,14 +96,18 @@ class BridgeServer:
     def close(self) -> None:
         if self.auth is not None:
             self.auth.stop()
-        for ring in self.inputs + self.outputs:
+        for ring in [*self.input_rings, *self.outputs]:
             ring.close()
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.edges, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
-        while not self._stopping:
+        while True:
+            if self._stopping:   # SIGTERM: take nothing new, finish (or answer) what is in flight
+                self.start_draining(time.monotonic())
+                if self.drain_step(time.monotonic(), "this GPU host is shutting down; retry on another"):
+                    return
             due = self.engine.next_deadline()
             timeout = POLL_MS if due is None else min(POLL_MS, max(int((due - time.monotonic()) * 1000) + 1, 0))
             events = dict(poller.poll(timeout))
@@ -129,12 +135,15 @@ class BridgeServer:
         except (BridgeError, msgspec.DecodeError, msgspec.ValidationError) as err:
             log.warning("dropped a malformed message from an edge: %s", err)
             return
-        if isinstance(msg, Ping):
+        if isinstance(msg, Ping):   # draining: no worker ready, so the edge sends its work elsewhere
             loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
-            self._send(identity, Pong(sent=msg.sent, loaded=loaded,
-                                      workers_ready=sum(w.ready for w in self.engine.workers)))
+            ready = 0 if self.draining else sum(w.ready for w in self.engine.workers)
+            self._send(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=ready))
             return
         call = EdgeCall(identity, msg.req, msg)
+        if self.draining:
+            self._refuse(call, ErrorCode.UNAVAILABLE, "this GPU host is shutting down; retry on another")
+            return
         try:
             request = self._request(call, msg, frames[2:])
         except BridgeError as err:
@@ -163,12 +172,12 @@ class BridgeServer:
             raise BridgeError(f"{len(msg.frames)} frame indices for a batch of {msg.batch}")
         got = [len(f.buffer) for f in data]
         if msg.rows is not None:   # a pcm16 session's encoder inputs [J, 1, 80, 16] and each frame's rows
-            inputs = len(data[-1].buffer) // (80 * 16 * 4) if data else 0
+            inputs = len(data[-1].buffer) // ENCODER_INPUT_BYTES if data else 0
             flat = [r for row in msg.rows for r in row]
-            if (len(msg.rows) != msg.batch or any(len(row) != 16 for row in msg.rows) or not inputs
+            if (len(msg.rows) != msg.batch or any(len(row) != WINDOW_ROWS for row in msg.rows) or not inputs
                     or min(flat) < -1 or max(flat) >= inputs):
                 raise BridgeError(f"window rows for {len(msg.rows)} frames do not fit {inputs} encoder inputs")
-            want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [inputs * 80 * 16 * 4]
+            want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [inputs * ENCODER_INPUT_BYTES]
         elif msg.pcm:
             samples = len(data[-1].buffer) // 2 if data else 0
             if frame_count(samples) != msg.batch or len(data[-1].buffer) % 2:
@@ -182,10 +191,14 @@ class BridgeServer:
             want = ([msg.batch * VISUAL_BYTES] if msg.visual else []) + [msg.batch * elements * 4]
         if got != want:
             raise BridgeError(f"tensor frames of {got} bytes; expected {want}")
-        call.tensors = [f.bytes for f in data]
+        tensors = [f.bytes for f in data]
+        layout = "encoder" if msg.rows is not None else ("pcm" if msg.pcm else "windows")
+        inputs = Inputs(model, msg.version, list(msg.frames), tensors[-1], layout, tuple(msg.audio_shape),
+                        tensors[0] if msg.visual else None, rows=msg.rows, utterance=msg.utterance,
+                        first_input=msg.first_input, enqueued=now)
         if msg.budget_ms:
             deadline = now + msg.budget_ms / 1000   # re-anchored on this host's clock
-        return Request(Kind.INFER, model, msg.batch, deadline=deadline, data=call)
+        return Request(Kind.INFER, model, msg.batch, deadline=deadline, data=call, inputs=inputs)
 
     def _refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
         msg = call.message
@@ -207,54 +220,12 @@ class BridgeServer:
         elif isinstance(msg, (LoadDone, StatsReport)):
             self.apply(self.engine.control_done(msg))
 
-    # -- the engine's actions -------------------------------------------------------------------
+    # -- the engine's actions (the rest: core/shell.py) --------------------------------------------
 
-    def apply(self, actions: list) -> None:
-        for action in actions:
-            try:
-                self._apply(action)
-            except Exception as err:  # a bug in carrying one out must not skip the others
-                log.exception("carrying out %s failed", type(action).__name__)
-                if isinstance(action, Dispatch):
-                    self.apply(self.engine.fail(action.request.req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
-                elif isinstance(action, Reply):
-                    self._refuse(action.request.data, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+    def fail(self, action: Fail) -> None:
+        self._refuse(action.request.data, action.code, action.message)
 
-    def _apply(self, action) -> None:
-        if isinstance(action, Dispatch):
-            self._dispatch(action)
-        elif isinstance(action, SendWorker):
-            self.to_gpu[action.worker].send(encode(action.message))
-        elif isinstance(action, FreeInput):
-            self.inputs[action.worker].release_request(action.req)
-        elif isinstance(action, ReleaseOutput):
-            self.to_gpu[action.worker].send(encode(ReleaseTask(req=action.req)))
-        elif isinstance(action, ResetInputs):
-            self.inputs[action.worker].become_writer()
-        elif isinstance(action, Reply):
-            self._reply(action.request)
-        elif isinstance(action, Fail):
-            self._refuse(action.request.data, action.code, action.message)
-
-    def _dispatch(self, action: Dispatch) -> None:
-        r, call = action.request, action.request.data
-        task: RemoteInfer = call.message
-        visual = (np.frombuffer(call.tensors[0], "<f4").reshape(task.batch, *VISUAL_SHAPE) if task.visual
-                  else None)
-        if task.rows is not None:
-            audio = np.frombuffer(call.tensors[-1], "<f4").reshape(-1, 1, 80, 16)
-        elif task.pcm:
-            audio = np.frombuffer(call.tensors[-1], "<i2")
-        else:
-            audio = np.frombuffer(call.tensors[-1], "<f4").reshape(task.batch, *task.audio_shape)
-        visual, audio = write_inputs(self.inputs[action.worker], r.req, visual, audio)
-        call.tensors = None
-        self.to_gpu[action.worker].send(encode(InferTask(
-            req=r.req, model=task.model, batch=task.batch, audio=audio, visual=visual, frames=task.frames, plan=[],
-            deadline=r.deadline, enqueued=time.monotonic(), version=task.version, rows=task.rows,
-            utterance=task.utterance[:200], first_input=task.first_input)))
-
-    def _reply(self, r: Request) -> None:
+    def done(self, r: Request) -> None:
         call = r.data
         if r.kind is Kind.INFER:
             ring = self.outputs[r.worker]

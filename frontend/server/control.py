@@ -1,23 +1,23 @@
 """The control ops' replies: health and models (answered by the frontend alone), and load, unload and
-stats (gathered from the inference workers by the engine; stats after at most STATS_TIMEOUT_S with
-whatever came)."""
+stats (gathered from the inference workers by the engine; stats after at most the engine's
+stats_timeout_s with whatever came)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from frontend import protocol as P
-from frontend.catalog import CatalogError
-from frontend.engine import Kind, Request, merge_model_stats
+from frontend.core.request import Kind, Request
+from frontend.core.scheduler import merge_model_stats
+from frontend.server.calls import Call
+from frontend.server.catalog import CatalogError
 from shm.codes import ProcState
 
-if TYPE_CHECKING:
-    from frontend.server import Call, Frontend
+Frontend = Any   # the server process (server/process.py), which calls these with itself
 
-STATS_TIMEOUT_S = 2.0
 MODELS_WAIT_S = 0.25
 MODELS_WAIT_FOR = 64
 
@@ -37,13 +37,10 @@ def health(fe: Frontend, call: Call) -> bytes:
                             device=w.device) for w in engine.workers]
     procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state.value, restarts=c.restarts, device="cpu")
               for i, c in enumerate(engine.compositors)]
-    present = [pr for pr in procs if pr.state != ProcState.VACANT.value]   # empty DNS slots are not down
-    states = {pr.state for pr in present}
-    if states == {"ready"}:
-        status = "ready"
-    elif all(pr.restarts == 0 and pr.state in ("starting", "ready") for pr in present):
-        status = "starting"
-    else:
+    # NOTE: one rule with /readyz (probes.readiness); the op can say starting, ready or degraded, so
+    # "not ready" and "draining" are degraded here.
+    status, _ = fe.readiness()
+    if status not in ("starting", "ready"):
         status = "degraded"
     return P.encode(P.HealthReply(id=call.header.id, status=status, processes=procs,
                                   models_loaded=engine.loaded(), version=_version()))
@@ -52,7 +49,7 @@ def health(fe: Frontend, call: Call) -> bytes:
 async def models(fe: Frontend, call: Call) -> bytes:
     """Every model with what is known of it now; models whose files are still being read (a cold
     start with thousands of models) come back `pending` and are read in the background."""
-    tenant = call.client.tenant
+    tenant = call.reply_to.tenant
     ids = [i for i in await fe.catalog.ids() if tenant is None or tenant.allows(i)]
     specs = [fe.catalog.known(i) for i in ids]
     pending = [i for i, spec in zip(ids, specs) if spec is None]
@@ -94,10 +91,10 @@ def reply(fe: Frontend, r: Request) -> bytes:
 def _stats(fe: Frontend, r: Request) -> bytes:
     call = r.data
     workers = [{"index": a.worker, "device": a.device, "loaded": a.loaded, "queue": a.queue} for a in r.results]
-    tenant = call.client.tenant
+    tenant = call.reply_to.tenant
     wanted = call.header.model
     models = {k: v for k, v in merge_model_stats(r.results).items()
               if wanted in (None, k) and (tenant is None or tenant.allows(k))}
-    workers += [{"index": i, "error": f"no answer within {STATS_TIMEOUT_S:g} s"} for i in sorted(r.waiting_on)]
+    workers += [{"index": i, "error": f"no answer within {fe.engine.stats_timeout_s:g} s"} for i in sorted(r.waiting_on)]
     store = {m: dict(v) for m, v in fe.store_lookups.items() if m in models or wanted == m}
     return P.encode(P.StatsReply(id=call.header.id, models=models, workers=workers, store=store))

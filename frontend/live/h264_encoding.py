@@ -1,4 +1,4 @@
-"""Live sessions in H.264: the frontend's side of frontend/h264.py.
+"""Live sessions in H.264: the encoding side of live/h264_plan.py.
 
 Per session: its compositing process (where its encoder lives), the frames it sends there to encode
 (engine `idle` requests pinned to that compositor), the access units that come back, held until due,
@@ -12,18 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
-
-import zmq
+from typing import Any, Callable, Optional
 
 from config.assets import frame_index
-from frontend.engine import Kind, Request
-from frontend.h264 import ENCODE_AHEAD_FRAMES, H264Stream
-from frontend.sessions import Session
-from shm.messages import CloseEncoder, EncodeFrames, EncodeItem, EncodeLoop, H264Settings, encode
-
-if TYPE_CHECKING:
-    from frontend.live import Live
+from frontend.core.request import Kind, Request
+from frontend.live.h264_plan import ENCODE_AHEAD_FRAMES, H264Stream
+from frontend.live.host import Host
+from frontend.live.idle import IdleCache
+from frontend.live.timeline import LiveSession, SessionTable
+from shm.messages import EncodeFrames, EncodeItem, EncodeLoop, H264Settings
 
 log = logging.getLogger(__name__)
 ENCODE_GRACE_S = 0.5      # an encode not back this long after its frame was due is given up (skipped)
@@ -45,20 +42,25 @@ class LoopJob:
 
 def frame_bytes(frame) -> bytes:
     """A received ZeroMQ frame (or any buffer) as bytes the frontend can keep."""
-    return frame.bytes if isinstance(frame, zmq.Frame) else bytes(frame)
+    kept = getattr(frame, "bytes", None)   # a zmq.Frame's own copy; any other buffer is copied here
+    return kept if isinstance(kept, bytes) else bytes(frame)
 
 
-class H264Live:
-    def __init__(self, live: Live):
-        self.live, self.fe = live, live.fe
-        self.cfg = live.cfg.h264
+class H264Sessions:
+    """Every H.264 session's encoding: `send(session, frame, now, keyframe)` sends a frame (live/service.py),
+    `arm()` re-arms the pacer after a session was woken early."""
 
-    def settings(self, session: Session) -> H264Settings:
+    def __init__(self, host: Host, cfg: Any, table: SessionTable, idle: IdleCache, metrics: Any,
+                 send: Callable[..., bool], arm: Callable[[], None]):
+        self.host, self.cfg, self.table, self.idle, self.metrics = host, cfg, table, idle, metrics
+        self._send, self._arm = send, arm
+
+    def settings(self, session: LiveSession) -> H264Settings:
         return H264Settings(fps=session.fps, bitrate=self.cfg.bitrate, preset=self.cfg.preset, gop=self.cfg.gop)
 
     # -- open / close ---------------------------------------------------------------------------
 
-    def open(self, session: Session) -> None:
+    def open(self, session: LiveSession) -> None:
         spec = session.data.spec
         period = spec.frames * (2 if spec.order == "mirror" else 1)
         session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.gop)
@@ -69,33 +71,33 @@ class H264Live:
 
     def _compositor(self, avoid: Optional[int] = None) -> int:
         """The ready compositor with the fewest H.264 sessions."""
-        states = self.fe.engine.compositors
+        states = self.host.compositors()
         counts = [0] * len(states)
-        for s in self.live.table.sessions():
+        for s in self.table.sessions():
             if s.h264 is not None and s.h264.compositor < len(counts):
                 counts[s.h264.compositor] += 1
         ready = [i for i, c in enumerate(states) if c.ready and i != avoid] or list(range(len(states)))
         return min(ready, key=lambda i: (counts[i], i))
 
-    def close(self, session: Session) -> None:
-        self.fe.to_cpu[session.h264.compositor].send(encode(CloseEncoder(session=session.token)))
+    def close(self, session: LiveSession) -> None:
+        self.host.close_encoder(session.h264.compositor, session.token)
 
-    def keyframe(self, session: Session) -> int:
+    def keyframe(self, session: LiveSession) -> int:
         session.h264.need_idr = True
         return session.next_index
 
     # -- the idle loop --------------------------------------------------------------------------
 
-    def _loop_key(self, session: Session, start: int) -> tuple:
+    def _loop_key(self, session: LiveSession, start: int) -> tuple:
         spec = session.data.spec
         return ("h264-loop", spec.id, spec.version, self.settings(session), start)
 
-    def prefetch(self, session: Session) -> None:
+    def prefetch(self, session: LiveSession) -> None:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""
         if not self.cfg.idle_loop:
             return
         stream, spec = session.h264, session.data.spec
-        cache = self.live.idle
+        cache = self.idle
         for start in range(0, stream.period, stream.gop):
             key = self._loop_key(session, start)
             if key in cache.rendering or cache.get(key) is not None:
@@ -105,20 +107,20 @@ class H264Live:
             message = EncodeLoop(req=0, model=spec.id, version=spec.version, settings=self.settings(session),
                                  frames=[frame_index(p, spec.frames, spec.order) for p in positions],
                                  deadline=time.monotonic() + LOOP_TIMEOUT_S)
-            request = Request(Kind.IDLE, spec.id, len(positions), deadline=message.deadline,
+            request = Request(Kind.RENDER, spec.id, len(positions), deadline=message.deadline,
                               data=LoopJob(key, message))
-            self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+            self.host.submit(request)
 
     # -- frames ---------------------------------------------------------------------------------
 
-    def tick(self, session: Session, now: float) -> None:
+    def tick(self, session: LiveSession, now: float) -> None:
         """Decide the frames due within ENCODE_AHEAD_FRAMES, encode what the loop does not cover, send
         what is due."""
         stream = session.h264
         items = []
         for frame in session.advance(now):
             start, _ = stream.chunk_of(frame.index)
-            chunk = self.live.idle.get(self._loop_key(session, start)) if self.cfg.idle_loop else None
+            chunk = self.idle.get(self._loop_key(session, start)) if self.cfg.idle_loop else None
             work = stream.decide(frame, chunk)
             if work is not None:
                 items.append(EncodeItem(index=work.index, frame=work.background, idr=work.idr, box=work.box))
@@ -126,9 +128,9 @@ class H264Live:
             self._encode(session, items)
         self.flush(session, now)
 
-    def _encode(self, session: Session, items: list[EncodeItem]) -> None:
+    def _encode(self, session: LiveSession, items: list[EncodeItem]) -> None:
         stream = session.h264
-        if not self.fe.engine.compositors[stream.compositor].ready:   # it died: its encoder went with it
+        if not self.host.compositors()[stream.compositor].ready:   # it died: its encoder went with it
             stream.compositor = self._compositor(avoid=stream.compositor)
             if not items[0].idr:
                 items[0].idr = True
@@ -138,24 +140,24 @@ class H264Live:
         deadline = session.due(items[-1].index) + ENCODE_GRACE_S
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
                                settings=self.settings(session), items=items, deadline=deadline)
-        request = Request(Kind.IDLE, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message),
+        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message),
                           compositor=stream.compositor)
-        self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+        self.host.submit(request)
 
-    def flush(self, session: Session, now: float) -> None:
+    def flush(self, session: LiveSession, now: float) -> None:
         """Send the session's access units that are due, in order; wake again for the next one."""
         for unit in session.h264.sendable(now):
             if unit.lost:
                 session.stats.dropped += 1
-                self.fe.metrics.session_frames.labels("skipped").inc()
+                self.metrics.session_frames.labels("skipped").inc()
                 continue
             unit.frame.image = unit.au
-            if not self.live.send(session, unit.frame, now, keyframe=unit.keyframe):
+            if not self._send(session, unit.frame, now, keyframe=unit.keyframe):
                 session.h264.need_idr = True   # the client's decoder lost a picture: start again from an IDR
         waiting = session.h264.waiting_due()
         if waiting is not None and waiting < session.due(session.next_index) - session.ahead:   # else: it ticks then
-            self.live.table.wake(session, waiting)
-            self.live.arm()
+            self.table.wake(session, waiting)
+            self._arm()
 
     # -- engine results -------------------------------------------------------------------------
 
@@ -167,10 +169,10 @@ class H264Live:
     def done(self, r: Request) -> None:
         units = [frame_bytes(u) for start in sorted(r.images) for u in r.images[start]]
         if isinstance(r.data, LoopJob):
-            self.live.idle.rendering.discard(r.data.key)
-            self.live.idle.put(r.data.key, units, sum(map(len, units)))
+            self.idle.rendering.discard(r.data.key)
+            self.idle.put(r.data.key, units, sum(map(len, units)))
             return
-        session = self.live.table.get(r.data.token)
+        session = self.table.get(r.data.token)
         if session is None:
             return
         for item, au in zip(r.data.message.items, units):
@@ -179,10 +181,10 @@ class H264Live:
 
     def failed(self, r: Request, message: str) -> None:
         if isinstance(r.data, LoopJob):
-            self.live.idle.rendering.discard(r.data.key)
+            self.idle.rendering.discard(r.data.key)
             log.warning("encoding the idle loop of model %s failed: %s", r.model, message)
             return
-        session = self.live.table.get(r.data.token)
+        session = self.table.get(r.data.token)
         if session is None:
             return
         for item in r.data.message.items:

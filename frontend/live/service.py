@@ -1,11 +1,13 @@
 """Live sessions in the frontend: the session ops, the pacer that sends every session's frames when
 due, and the cache of encoded idle frames.
 
-The timelines live in frontend/sessions.py (no sockets); speech chunks become ordinary `composite`
+The timelines live in live/timeline.py (no sockets); speech chunks become ordinary `composite`
 requests of the engine (routed, batched into slots, composited like any other, ended by a dead worker
 or a closed connection), whose frames are held until due instead of being replied. Idle frames are
-the avatar's backgrounds, encoded once by a compositing process (the engine's `idle` requests) and
+the avatar's backgrounds, encoded once by a compositing process (the engine's `render` requests) and
 kept in a bounded cache: a silent session costs the send and nothing else, no inference.
+
+`Live` reaches its host process only through the `Host` interface (live/host.py).
 """
 
 from __future__ import annotations
@@ -14,25 +16,22 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any
 
 import numpy as np
 
-from frontend import protocol as P
-from frontend.alarm import Alarm
-from frontend.backlog import Backlogs
-from frontend.engine import Kind, Request
 from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME, WINDOW_ROWS
-from frontend.live_h264 import H264Live, frame_bytes
-from frontend.sessions import Session, SessionTable
-from frontend.validate import RequestError, Tensors
+from frontend import protocol as P
+from frontend.core.alarm import Alarm
+from frontend.core.backlog import Backlogs
+from frontend.core.request import Inputs, Kind, Request, RequestError
+from frontend.live.h264_encoding import H264Sessions, frame_bytes
+from frontend.live.host import Host, OpenCall
+from frontend.live.idle import IdleCache
+from frontend.live.timeline import LiveSession, SessionTable
 from shm.codes import ErrorCode
 from shm.messages import RenderIdle
-
-if TYPE_CHECKING:
-    from frontend.server import Call, Frontend
 
 log = logging.getLogger(__name__)
 PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
@@ -59,41 +58,25 @@ class Pin:
     token: str
 
 
-class IdleCache:
-    """Encoded background frames by (model, version, frame, format, quality), least recently used out."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self._frames: OrderedDict[tuple, bytes] = OrderedDict()
-        self.rendering: set[tuple] = set()
-
-    def get(self, key: tuple) -> Optional[bytes]:
-        entry = self._frames.get(key)
-        if entry is None:
-            return None
-        self._frames.move_to_end(key)
-        return entry[0]
-
-    def put(self, key: tuple, image, size: Optional[int] = None) -> None:
-        """`image`: bytes, or any value with its `size` in bytes (an H.264 idle loop chunk)."""
-        if key in self._frames:
-            return
-        self._frames[key] = (image, len(image) if size is None else size)
-        self.bytes += self._frames[key][1]
-        while self.bytes > self.max_bytes and len(self._frames) > 1:
-            _, (_, old) = self._frames.popitem(last=False)
-            self.bytes -= old
+@dataclass
+class Speech:
+    """An engine `composite` request of speech frames: each frame's (session, frame index), held by its
+    session until due instead of being replied."""
+    targets: list[tuple[str, int]]
+    format: str
 
 
 class Live:
-    def __init__(self, fe: Frontend):
-        self.fe = fe
-        self.cfg = fe.config.sessions
+    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None):
+        self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
+        self.cfg = config.sessions
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self.pacer = Alarm(self._tick)   # rings when the earliest session frame is due
-        self.h264 = H264Live(self)
+        self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm)
+        if viewer is not None:
+            viewer.keyframe = self.request_keyframe
         # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
         # quality) for windows, by session token for pcm16 sessions.
         self._pending: dict = {}
@@ -101,7 +84,7 @@ class Live:
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def handle(self, call: Call, payload: list) -> bytes:
+    def handle(self, call: OpenCall, payload: list) -> bytes:
         """A session op's reply (RequestError for a refusal)."""
         op = call.header.op
         if op is P.Op.SESSION_OPEN:
@@ -110,7 +93,7 @@ class Live:
         if session is None:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.session: no open session {call.header.session!r} "
                                "(closed, or its client disconnected); open one with session_open", call.header.id)
-        tenant = call.client.tenant
+        tenant = call.reply_to.tenant
         if tenant is not None and not tenant.allows(session.model):
             raise RequestError(ErrorCode.FORBIDDEN, "this session's model does not belong to your tenant",
                                call.header.id)
@@ -130,7 +113,7 @@ class Live:
             self._close(session)
         return P.encode(P.SessionStatsReply(id=call.header.id, session=session.token, **session.stats.as_dict()))
 
-    def _open(self, call: Call) -> bytes:
+    def _open(self, call: OpenCall) -> bytes:
         header, spec = call.header, call.spec
         if len(self.table) >= self.cfg.max_sessions:
             raise RequestError(ErrorCode.OVERLOADED, f"{len(self.table)} sessions are open (sessions.max_sessions); "
@@ -144,28 +127,28 @@ class Live:
         if mode == "features" and elements % WINDOW_ROWS:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.audio: model {spec.id}'s audio window "
                                f"{list(spec.audio_shape)} is not 16 feature vectors; use audio: window", header.id)
-        fmt = header.format or self.fe.config.output.format
+        fmt = header.format or self.config.output.format
         if fmt == "h264" and (spec.width % 2 or spec.height % 2):
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.format: h264 needs even frame sizes; model {spec.id}'s "
                                f"frames are {spec.width}x{spec.height}", header.id)
-        if header.webrtc and self.fe.viewer is None:
+        if header.webrtc and self.viewer is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
                                "or its role is gpu)", header.id)
         fps = header.fps or self.cfg.fps
         now = time.monotonic()
-        session = Session(self.table.new_token(), spec.id, call.client.conn, fps,
+        session = LiveSession(self.table.new_token(), spec.id, call.reply_to.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
                           max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
                           (WINDOW_ROWS, elements // WINDOW_ROWS), data=call)
         if fmt == "h264":
             self.h264.open(session)
         self.table.add(session)
-        self.fe.metrics.sessions_open.set(len(self.table))
-        viewer_url = self.fe.viewer.open(session) if header.webrtc else None
+        self.metrics.sessions_open.set(len(self.table))
+        viewer_url = self.viewer.open(session) if header.webrtc else None
         # The model is loaded now (not at the first speech) and kept loaded while the session is open.
-        pin = Request(Kind.LOAD, spec.id, deadline=now + self.fe.config.limits.request_timeout_s,
+        pin = Request(Kind.LOAD, spec.id, deadline=now + self.config.limits.request_timeout_s,
                       data=Pin(session.token), pin=1)
-        self.fe.apply(self.fe.engine.submit(pin, now))
+        self.host.submit(pin)
         self._prefetch(session)
         self.arm()
         return P.encode(P.SessionOpenReply(
@@ -173,7 +156,7 @@ class Live:
             audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame,
             format=fmt, viewer_url=viewer_url))
 
-    def _audio(self, session: Session, call: Call, audio) -> bytes:
+    def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         spec = session.data.spec
         header = call.header
         if session.audio_mode == "pcm16":
@@ -204,7 +187,7 @@ class Live:
             self._infer(session, frames, windows)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n))
 
-    def _pcm(self, session: Session, call: Call, audio) -> bytes:
+    def _pcm(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         header = call.header
         limit = self.cfg.max_chunk_frames * SAMPLES_PER_FRAME
         if len(audio) % 2 or len(audio) // 2 > limit:
@@ -220,7 +203,7 @@ class Live:
         self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=header.last)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames))
 
-    def _infer_pcm(self, session: Session, items: list) -> None:
+    def _infer_pcm(self, session: LiveSession, items: list) -> None:
         """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
         worker runs the encoder on the encoder inputs these frames need and builds each frame's window
         from its rows (-1: zeros)."""
@@ -233,34 +216,32 @@ class Live:
             self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1),
                              stream.name, a)
 
-    def _submit_pcm(self, session: Session, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
+    def _submit_pcm(self, session: LiveSession, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
                     utterance: str, first_input: int) -> None:
-        from frontend.server import Call
-        opened: Call = session.data
+        spec = session.data.spec
         _, _, _, fmt, quality = self._key(session, -1)
-        header = P.RequestHeader(op=P.Op.COMPOSITE, model=session.model, batch=len(frames), format=fmt,
-                                 quality=quality)
-        call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
-                    tensors=Tensors(None, memoryview(np.ascontiguousarray(inputs, "<f4").tobytes()), True, len(frames)),
-                    frames=[session.background(k) for k in frames], targets=[(session.token, k) for k in frames],
-                    rows=rows.tolist(), utterance=(utterance, first_input))
-        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]), data=call)
-        self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+        backgrounds = [session.background(k) for k in frames]
+        work = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(inputs, "<f4").tobytes(), "encoder",
+                      rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt, quality=quality,
+                      enqueued=time.monotonic())
+        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
+                          data=Speech([(session.token, k) for k in frames], fmt), inputs=work)
+        self.host.submit(request)
 
-    def _infer(self, session: Session, frames: list[int], windows: np.ndarray) -> None:
+    def _infer(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
         """Speech windows of every session on the same model (and output format) share a batch."""
         key = self._key(session, -1)
         items = [(session.token, k, session.background(k), session.due(k), w) for k, w in zip(frames, windows)]
         self._queue(key, items, lambda part: self._submit_batch(key, part), session)
 
-    def _queue(self, key, items: list, submit, session: Session, now: bool = False) -> None:
+    def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
         """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
         at once, the rest after at most one frame period (capped at a quarter of the latency budget), or
         at once with `now`. Fewer, larger requests are what keeps many sessions on time: each request
         holds an input and an output slot."""
         pending = self._pending.setdefault(key, [])
         pending += items
-        step = self.fe.config.limits.max_batch
+        step = self.config.limits.max_batch
         while len(pending) >= step:
             submit(pending[:step])
             del pending[:step]
@@ -279,33 +260,32 @@ class Live:
             submit(pending)
 
     def _submit_batch(self, key: tuple, items: list) -> None:
-        from frontend.server import Call
         items = [it for it in items if self.table.get(it[0]) is not None]   # sessions closed meanwhile
         if not items:
             return
-        opened: Call = self.table.get(items[0][0]).data
+        model, version, _, fmt, quality = key
+        spec = self.table.get(items[0][0]).data.spec
         audio = np.ascontiguousarray(np.stack([w for *_, w in items]), "<f4")
-        header = P.RequestHeader(op=P.Op.COMPOSITE, model=key[0], batch=len(items), format=key[3], quality=key[4])
-        call = Call(header, opened.client, time.monotonic(), spec=opened.spec,
-                    tensors=Tensors(None, memoryview(audio.tobytes()), True), frames=[b for _, _, b, _, _ in items],
-                    targets=[(token, k) for token, k, *_ in items])
-        request = Request(Kind.COMPOSITE, key[0], len(items), deadline=max(due for *_, due, _ in items), data=call)
-        self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+        work = Inputs(model, version, [b for _, _, b, _, _ in items], audio.tobytes(), "windows",
+                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=time.monotonic())
+        request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for *_, due, _ in items),
+                          data=Speech([(token, k) for token, k, *_ in items], fmt), inputs=work)
+        self.host.submit(request)
 
-    def _close(self, session: Session) -> None:
+    def _close(self, session: LiveSession) -> None:
         self._pending.pop(session.token, None)
         timer = self._flush_timers.pop(session.token, None)
         if timer is not None:
             timer.cancel()
         if session.pinned_worker is not None:
-            self.fe.apply(self.fe.engine.unpin(session.pinned_worker, session.model))
+            self.host.unpin(session.pinned_worker, session.model)
         if session.h264 is not None:
             self.h264.close(session)
-        if self.fe.viewer is not None:
-            self.fe.viewer.close(session.token)
+        if self.viewer is not None:
+            self.viewer.close(session.token)
         self.table.pop(session.token)
         self.queued.closed(session.token)
-        self.fe.metrics.sessions_open.set(len(self.table))
+        self.metrics.sessions_open.set(len(self.table))
 
     def request_keyframe(self, token: str) -> None:
         """The viewer asks for an IDR (a new browser, or one that lost a picture)."""
@@ -321,7 +301,7 @@ class Live:
 
     def owns(self, r: Request) -> bool:
         """The engine requests live sessions make: speech batches, idle renders, model pins."""
-        return r.kind is Kind.IDLE or isinstance(r.data, Pin) or getattr(r.data, "targets", None) is not None
+        return r.kind is Kind.RENDER or isinstance(r.data, (Pin, Speech))
 
     def render_message(self, r: Request):
         """The message an engine `idle` request sends to its compositor."""
@@ -332,20 +312,20 @@ class Live:
                           quality=render.quality, deadline=r.deadline, version=render.version)
 
     def done(self, r: Request) -> None:
-        if r.kind is Kind.IDLE:
+        if r.kind is Kind.RENDER:
             (self.idle_done if isinstance(r.data, IdleRender) else self.h264.done)(r)
         elif isinstance(r.data, Pin):
             session = self.table.get(r.data.token)
             worker = r.results[0].worker if r.results else None
             if session is None and worker is not None:   # closed before the load finished
-                self.fe.apply(self.fe.engine.unpin(worker, r.model))
+                self.host.unpin(worker, r.model)
             elif session is not None:
                 session.pinned_worker = worker
         else:
             self.speech_done(r)
 
     def failed(self, r: Request, message: str) -> None:
-        if r.kind is Kind.IDLE:
+        if r.kind is Kind.RENDER:
             (self.idle_failed if isinstance(r.data, IdleRender) else self.h264.failed)(r, message)
         elif isinstance(r.data, Pin):
             log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
@@ -357,8 +337,8 @@ class Live:
         images = [img for start in sorted(r.images) for img in r.images[start]]
         if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
             images = [bytes(img) for img in images]
-            self.fe._release_images(r.req, r.image_slots)
-        elif r.data.header.format == "i420":   # H.264 face boxes: they go on to the session's encoder
+            self.host.free_images(r.req, r.image_slots)
+        elif r.data.format == "i420":   # H.264 face boxes: they go on to the session's encoder
             images = [frame_bytes(img) for img in images]
         for (token, k), image in zip(r.data.targets, images):
             session = self.table.get(token)
@@ -386,15 +366,15 @@ class Live:
 
     # -- pacing ---------------------------------------------------------------------------------
 
-    def _key(self, session: Session, background: int) -> tuple:
+    def _key(self, session: LiveSession, background: int) -> tuple:
         header, spec = session.data.header, session.data.spec
-        fmt = header.format or self.fe.config.output.format
-        quality = header.quality or self.fe.config.output.quality
+        fmt = header.format or self.config.output.format
+        quality = header.quality or self.config.output.quality
         if fmt == "h264":   # speech frames are composited into face boxes, the session's encoder does the rest
             fmt = "i420"
         return (spec.id, spec.version, background, fmt, quality)
 
-    def _prefetch(self, session: Session) -> None:
+    def _prefetch(self, session: LiveSession) -> None:
         """Ask the compositors for the idle frames this session needs in the next PREFETCH_S."""
         if session.h264 is not None:
             self.h264.prefetch(session)
@@ -410,9 +390,9 @@ class Live:
             self.idle.rendering.update(keys)
             spec, fmt, quality = session.data.spec, keys[0][3], keys[0][4]
             render = IdleRender(keys, spec.id, spec.version, [b for _, b in part], fmt, quality)
-            request = Request(Kind.IDLE, spec.id, len(part), deadline=time.monotonic() + RENDER_TIMEOUT_S,
+            request = Request(Kind.RENDER, spec.id, len(part), deadline=time.monotonic() + RENDER_TIMEOUT_S,
                               data=render)
-            self.fe.apply(self.fe.engine.submit(request, time.monotonic()))
+            self.host.submit(request)
 
     def arm(self) -> None:
         self.pacer.arm(self.table.next_due())
@@ -430,14 +410,14 @@ class Live:
             self.table.schedule(session)
         self.arm()
 
-    def send(self, session: Session, frame, now: float, keyframe: bool = False) -> bool:
+    def send(self, session: LiveSession, frame, now: float, keyframe: bool = False) -> bool:
         """Send one frame to the session's client (and viewer); False if it was dropped."""
         image = frame.image
         if image is None:
             image = self.idle.get(self._key(session, frame.background))
             if image is None:   # not encoded yet (a cold start): repeat the last frame sent
                 image = session.last_image
-        metrics = self.fe.metrics
+        metrics = self.metrics
         if image is None:
             session.stats.dropped += 1
             metrics.session_frames.labels("skipped").inc()
@@ -446,14 +426,14 @@ class Live:
         if session.audio_mode == "pcm16":   # every frame carries its 40 ms of audio: silence when idle
             audio = frame.audio if frame.audio is not None else SILENCE
         if session.viewer:   # webrtc sessions stream to the viewer, not to the client
-            self.fe.viewer.push(session, frame, image, audio, keyframe)
+            self.viewer.push(session, frame, image, audio, keyframe)
         else:
             entry = self.queued.admit(session.token, 1)
             header = P.encode(P.FrameEvent(session=session.token, index=frame.index,
                                            pts_ms=frame.index * 1000 / session.fps, kind=frame.kind,
                                            frame=frame.background, keyframe=keyframe))
             # entry None: the client is not reading; frames past sessions.max_queued_frames go
-            if entry is None or not self.fe._send(session.data.client, header,
+            if entry is None or not self.host.send(session.data.reply_to, header,
                                                   [image] if audio is None else [image, audio], also=entry):
                 session.stats.dropped += 1
                 metrics.session_frames.labels("dropped").inc()

@@ -71,9 +71,10 @@ class Watch:
 
 
 class Viewer:
-    def __init__(self, config: ViewerConfig, keyframe: Callable[[str], None]):
+    def __init__(self, config: ViewerConfig):
         self.config = config
-        self.keyframe = keyframe           # ask a session for an IDR (frontend/live_h264.py)
+        # Asks a session for an IDR (a new browser, or one that lost a picture); live sessions set it.
+        self.keyframe: Callable[[str], None] = lambda session_token: None
         self.tokens: dict[str, Watch] = {}
         self.by_session: dict[str, str] = {}
         self.base_url = ""

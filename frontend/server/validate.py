@@ -11,16 +11,11 @@ from typing import Any, Optional
 import msgspec
 
 from config.audio import AUDIO_SHAPE, frame_count
-from config.geometry import VISUAL_BYTES
-
-MAX_FRAMES = 3          # header + visual + audio, the most any op takes
+from config.geometry import VISUAL_BYTES, VISUAL_SHAPE
+from frontend.core.request import RequestError
 from frontend.protocol import MODEL_OPS, SESSION_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
 
-
-class RequestError(Exception):
-    def __init__(self, code: ErrorCode, message: str, request_id: RequestId = None):
-        super().__init__(message)
-        self.code, self.message, self.request_id = code, message, request_id
+MAX_FRAMES = 3          # header + visual + audio, the most any op takes
 
 
 def _bad(message: str, request_id: RequestId = None) -> RequestError:
@@ -157,7 +152,7 @@ def check_pcm(header: RequestHeader, payload: list, audio_shape: tuple[int, ...]
                    f"limits.max_batch ({max_batch}); split the utterance (a live session takes any length)", rid)
     visual = payload[0] if len(payload) == 2 else None
     if visual is not None and len(visual) != frames * VISUAL_BYTES:
-        raise _bad(f"payload[0] (visual): {len(visual)} bytes; expected float32 [{frames}, 6, 320, 320] = "
+        raise _bad(f"payload[0] (visual): {len(visual)} bytes; expected float32 [{frames}, {_dims(VISUAL_SHAPE)}] = "
                    f"{frames * VISUAL_BYTES} bytes for the {frames} frames this PCM gives", rid)
     return Tensors(memoryview(visual) if visual is not None else None, memoryview(audio), True, frames, True)
 
@@ -168,7 +163,7 @@ def check_tensors(header: RequestHeader, payload: list, audio_shape: tuple[int, 
     visual = payload[0] if len(payload) == 2 else None
     audio = payload[-1]
     if visual is not None and len(visual) != batch * VISUAL_BYTES:
-        raise _bad(f"payload[0] (visual): {len(visual)} bytes; expected float32 [{batch}, 6, 320, 320] = "
+        raise _bad(f"payload[0] (visual): {len(visual)} bytes; expected float32 [{batch}, {_dims(VISUAL_SHAPE)}] = "
                    f"{batch * VISUAL_BYTES} bytes", rid)
     window = 4 * int(_prod(audio_shape))
     shape = ", ".join(map(str, audio_shape))
@@ -187,3 +182,7 @@ def _prod(values: Any) -> int:
     for v in values:
         out *= int(v)
     return out
+
+
+def _dims(shape) -> str:
+    return ", ".join(map(str, shape))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from frontend.sessions import Outgoing
+from frontend.live.timeline import Outgoing
 
 ENCODE_AHEAD_FRAMES = 2   # a frame is decided (and its encoding starts) this many frame periods before due
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 from config import Config
 from config.assets import AssetError, list_model_ids, load_assets, max_frame_size, model_paths
-from frontend.onnx_io import read_model_io
+from frontend.server.onnx_io import read_model_io
 
 ERROR_TTL_S = 5.0
 MAX_ERRORS = 1024

@@ -1,8 +1,9 @@
 """The client-facing frontend process: asyncio (uvloop) + ZeroMQ ROUTER, speaking docs/protocol.md.
 
-A thin shell over the request engine (frontend/engine.py): it validates what clients send, reads
-model specs from the catalog off the event loop, turns messages into engine events and carries out
-the engine's actions (write a request's tensors into an input slot, send a task, free a slot, reply).
+A `Shell` over the request engine (frontend/core/): it validates what clients send, reads model specs
+from the catalog off the event loop, turns messages into engine events and carries out the engine's
+actions (core/shell.py carries out those that touch the workers; replies are built here). It hosts
+live sessions (frontend/live/) through the small `Host` interface they are handed.
 
 A client whose connection closes leaves nothing behind: a monitor on each ROUTER reports the
 connection's file descriptor, which libzmq also stamps on every frame it received (ZMQ_SRCFD), so the
@@ -25,29 +26,25 @@ from zmq.utils.monitor import parse_monitor_message
 from config import Config, resolve_path
 from config.assets import frame_index
 from config.audio import frame_audio
-from config.geometry import VISUAL_SHAPE
 from config.keys import load_public, make_server, start_authenticator
-from frontend import control
-from frontend.alarm import Alarm
-from frontend import protocol as P
-from frontend.backlog import Backlogs
-from frontend.catalog import Catalog, ModelSpec
-from frontend.engine import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, ReleaseImages, ReleaseOutput, Render,
-                             Reply, Request, ResetInputs, Scheduler, SendWorker)
 from frontend import probes
-from frontend.live import Live
-from frontend.viewer import Viewer
+from frontend import protocol as P
+from frontend.core.alarm import Alarm
+from frontend.core.backlog import Backlogs
+from frontend.core.request import CLIENT_GONE, Inputs, Kind, Request, RequestError
+from frontend.core.scheduler import Fail, Render, Scheduler
+from frontend.core.shell import Shell
+from frontend.live.service import Live
 from frontend.metrics import Metrics
-from frontend.slots import write_inputs
-from frontend.state import Client, Tenant
-from frontend.validate import (RequestError, Tensors, check_message, check_pcm, check_request, check_tensors,
-                               parse_header)
+from frontend.server import control
+from frontend.server.calls import Call, ReplyTo, Tenant
+from frontend.server.catalog import Catalog, ModelSpec
+from frontend.server.validate import check_message, check_pcm, check_request, check_tensors, parse_header
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import (CompositeDone, InferDone, InferTask, LoadDone, ModelEvent, ProcessEvent, ReleaseTask,
+from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, ReleaseImages,
                           StatsReport, decode, encode)
-from shm.messages import ReleaseImages as ReleaseImagesMsg
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
@@ -58,30 +55,7 @@ KINDS = {P.Op.INFER: Kind.INFER, P.Op.COMPOSITE: Kind.COMPOSITE, P.Op.LOAD: Kind
          P.Op.STATS: Kind.STATS}
 
 
-@dataclass
-class Call:
-    """What the shell keeps of a client's request (the engine's Request.data)."""
-
-    header: P.RequestHeader
-    client: Client
-    t0: float
-    spec: Optional[ModelSpec] = None
-    tensors: Optional[Tensors] = None
-    frames: list[int] = field(default_factory=list)
-    pcm: Optional[bytes] = None        # return_audio: the PCM sent, sliced per frame into the reply
-    rows: Optional[list] = None        # pcm16 sessions: tensors are encoder inputs; each frame's window rows
-    utterance: tuple[str, int] = ("", 0)   # ... the utterance and the number of its first input
-    # Live sessions' speech: each frame's (session, frame index); its frames are held, not replied.
-    targets: Optional[list[tuple[str, int]]] = None
-
-    @property
-    def label(self) -> str:
-        """The model's metrics label: only models the catalog knows get their own (a client sending
-        random ids must not grow the label set without bound)."""
-        return self.spec.id if self.spec is not None else ("" if self.header.model is None else "_other")
-
-
-class Frontend:
+class Frontend(Shell):
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
         self.config, self.run_spec = config, run
         self.device = "cpu"
@@ -91,8 +65,9 @@ class Frontend:
         self.store_lookups: dict[str, dict[str, int]] = {}   # model -> {"hits", "misses"}
         self._stopping = False
         lim = config.limits
-        self.engine = Scheduler(list(run.devices), len(run.endpoints.cpu), config.shm.slots, lim.queue_depth,
-                                config.frontend.routing, control.STATS_TIMEOUT_S)
+        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), config.shm.slots, lim.queue_depth,
+                           config.frontend.routing)
+        self.auth = None
         self.tenants = self._tenants(ctx)
         self.clients = []
         for endpoint in config.frontend.bind:
@@ -112,17 +87,20 @@ class Frontend:
             monitor.connect(address)
             self.monitors.append(monitor)
         self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend)
-        self.inputs = [SlotRing.attach(spec) for spec in run.input_rings]
-        for ring in self.inputs:
+        inputs = [SlotRing.attach(spec) for spec in run.input_rings]
+        for ring in inputs:
             ring.become_writer()   # the frontend is the one writer of every input ring
-        self.to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
+        to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
+        Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
         self.backlogs = Backlogs(lim.max_client_backlog_bytes)
-        self.live = Live(self)
-        # The WebRTC viewer: started with the event loop (_main); None when viewer.port is 0.
-        self.viewer = Viewer(config.viewer, self.live.request_keyframe) if config.viewer.port else None
+        self.viewer = None
+        if config.viewer.port:   # the WebRTC viewer: started with the event loop (_main)
+            from frontend.live.viewer import Viewer   # NOTE: aiortc is imported only where a viewer runs
+            self.viewer = Viewer(config.viewer)
+        self.live = Live(self, config, self.metrics, self.viewer)
         self.deadlines = Alarm(self._on_deadline)
         self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
 
@@ -130,7 +108,7 @@ class Frontend:
         """/readyz (frontend/probes.readiness). On an edge, one GPU host that is ready is enough.
         NOTE: called from the probes' thread; it only reads."""
         return probes.readiness(list(self.engine.workers), list(self.engine.compositors), self.engine.synced(),
-                                self._stopping)
+                                self.draining or self._stopping)
 
     def _tenants(self, ctx: zmq.Context) -> Optional[dict[str, Tenant]]:
         """frontend.curve: client key (z85) -> its tenant; None when clients need no key."""
@@ -159,7 +137,7 @@ class Frontend:
         self.catalog.close()
         for ring in self.images:
             ring.close()
-        if getattr(self, "auth", None) is not None:
+        if self.auth is not None:
             self.auth.stop()
         # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
         # does not know them: close each here, or the context's term() blocks forever.
@@ -169,7 +147,7 @@ class Frontend:
             sock.close(linger=1000)  # let the last replies leave
         for sock in [self.pull, *self.to_gpu, *self.to_cpu]:
             sock.close(linger=0)
-        for ring in self.inputs + self.outputs:
+        for ring in [*self.input_rings, *self.outputs]:
             ring.close()
 
     async def _main(self) -> None:
@@ -193,10 +171,9 @@ class Frontend:
         # Stop accepting, then let in-flight requests finish up to the shutdown deadline.
         for task in readers:
             task.cancel()
-        deadline = time.monotonic() + self.config.supervisor.shutdown_timeout_s
-        while len(self.engine.table) and time.monotonic() < deadline:
+        self.start_draining(time.monotonic())
+        while not self.drain_step(time.monotonic()):
             await asyncio.sleep(0.05)
-        self.apply(self.engine.shutdown("the server is shutting down; retry on another server"))
         if self.viewer is not None:
             await self.viewer.stop()
         internal.cancel()
@@ -254,9 +231,9 @@ class Frontend:
         # Envelope: routing id, then frames up to and including the empty delimiter.
         delim = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
         if delim is None:  # a DEALER that sent no delimiter: answer in kind
-            client, body = Client(sock, [frames[0]]), frames[1:]
+            client, body = ReplyTo(sock, [frames[0]]), frames[1:]
         else:
-            client, body = Client(sock, frames[: delim + 1]), frames[delim + 1:]
+            client, body = ReplyTo(sock, frames[: delim + 1]), frames[delim + 1:]
         fd = _source_fd(frames[0])
         client.conn = (index, fd) if fd is not None else None
         if not body:
@@ -279,7 +256,7 @@ class Frontend:
             return
         call = Call(header, client, time.monotonic())
         if header.op is P.Op.HEALTH:
-            self._send(client, control.health(self, call))
+            self.send(client, control.health(self, call))
             self.metrics.requests.labels("health", "", "ok").inc()
             return
         if header.op is P.Op.MODELS or (header.model is not None and header.op is not P.Op.STATS
@@ -298,17 +275,17 @@ class Frontend:
             budget = self._timeout_s(header) - (time.monotonic() - call.t0)
             if header.op is P.Op.MODELS:
                 reply = await asyncio.wait_for(control.models(self, call), max(budget, 0.001))
-                self._send(call.client, reply)
+                self.send(call.reply_to, reply)
                 self.metrics.requests.labels("models", "", "ok").inc()
                 return
             await asyncio.wait_for(self.catalog.get(header.model), max(budget, 0.001))
         except asyncio.TimeoutError:
-            self._error(call.client, header.id, ErrorCode.TIMEOUT, f"reading the files of model {header.model} "
+            self._error(call.reply_to, header.id, ErrorCode.TIMEOUT, f"reading the files of model {header.model} "
                         "took longer than the request's deadline; is its storage slow? (timeout_ms)")
             return
         except Exception as err:  # a bug: the client still gets exactly one reply
             log.exception("catalog read failed")
-            self._error(call.client, header.id, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            self._error(call.reply_to, header.id, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
             return
         self._submit(call, payload)
 
@@ -318,30 +295,34 @@ class Frontend:
             self._session_op(call, payload)
             return
         kind = KINDS[header.op]
+        batch, inputs = 0, None
         try:
             if header.model is not None and kind is not Kind.STATS:
                 call.spec = self._spec(header)
             if kind in (Kind.INFER, Kind.COMPOSITE):
+                spec = call.spec
                 if header.audio_format == "pcm16":
-                    call.tensors = check_pcm(header, payload, call.spec.audio_shape, call.spec.encoder,
-                                             self.config.limits.max_batch)
+                    t = check_pcm(header, payload, spec.audio_shape, spec.encoder, self.config.limits.max_batch)
                 else:
-                    call.tensors = check_tensors(header, payload, call.spec.audio_shape)
-                batch = call.tensors.batch
+                    t = check_tensors(header, payload, spec.audio_shape)
+                batch = t.batch
                 if header.return_audio:
-                    call.pcm = bytes(call.tensors.audio)
-                call.frames = [frame_index(header.start_frame + i, call.spec.frames, call.spec.order)
+                    call.pcm = bytes(t.audio)
+                call.frames = [frame_index(header.start_frame + i, spec.frames, spec.order)
                                for i in range(batch)] if kind is Kind.COMPOSITE else list(range(batch))
+                layout = "pcm" if t.pcm else ("windows" if t.audio_per_frame else "window")
+                inputs = Inputs(spec.id, spec.version, call.frames, t.audio, layout, tuple(spec.audio_shape),
+                                t.visual, format=header.format or self.config.output.format,
+                                quality=header.quality or self.config.output.quality, enqueued=call.t0)
             if kind is Kind.UNLOAD:
                 self.catalog.forget(header.model)
         except RequestError as err:
             self.metrics.requests.labels(header.op.value, call.label, err.code.value).inc()
-            self._error(call.client, header.id, err.code, err.message)
+            self._error(call.reply_to, header.id, err.code, err.message)
             return
         now = time.monotonic()
-        batch = call.tensors.batch if call.tensors is not None else 0
         request = Request(kind, call.spec.id if call.spec else header.model, batch,
-                          deadline=now + self._timeout_s(header), conn=call.client.conn, data=call)
+                          deadline=now + self._timeout_s(header), conn=call.reply_to.conn, data=call, inputs=inputs)
         self.apply(self.engine.submit(request, now))
 
     def _session_op(self, call: Call, payload: list) -> None:
@@ -352,10 +333,10 @@ class Frontend:
             reply = self.live.handle(call, payload)
         except RequestError as err:
             self.metrics.requests.labels(header.op.value, call.label, err.code.value).inc()
-            self._error(call.client, header.id, err.code, err.message)
+            self._error(call.reply_to, header.id, err.code, err.message)
             return
         self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
-        self._send(call.client, reply)
+        self.send(call.reply_to, reply)
 
     def _spec(self, header: P.RequestHeader) -> Optional[ModelSpec]:
         known = self.catalog.known(header.model)
@@ -367,92 +348,55 @@ class Frontend:
             return None     # a model whose files broke can still be unloaded
         raise RequestError(ErrorCode(known.code), known.message, header.id)
 
-    # -- the engine's actions ------------------------------------------------------------------
+    # -- the engine's actions (the rest: core/shell.py) ------------------------------------------
 
-    def apply(self, actions: list) -> None:
-        for action in actions:
-            try:
-                self._apply(action)
-            except Exception as err:  # a bug in carrying one out must not skip the others
-                log.exception("carrying out %s failed", type(action).__name__)
-                request = getattr(action, "request", None)
-                if isinstance(action, Dispatch):
-                    self.apply(self.engine.fail(request.req, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
-                elif isinstance(action, Reply):
-                    self._release_images(request.req, request.image_slots)
-                    self._fail(Fail(request, ErrorCode.INTERNAL, f"building the reply failed: {type(err).__name__}: "
-                                    f"{err}"))
+    def applied(self) -> None:
         self.deadlines.arm(self.engine.next_deadline())
 
-    def _apply(self, action) -> None:
-        if isinstance(action, Dispatch):
-            self._dispatch(action)
-        elif isinstance(action, SendWorker):
-            self.to_gpu[action.worker].send(encode(action.message))
-        elif isinstance(action, Render):
-            self.to_cpu[action.compositor].send(encode(self.live.render_message(action.request)))
-        elif isinstance(action, FreeInput):
-            self.inputs[action.worker].release_request(action.req)
-        elif isinstance(action, ReleaseOutput):
-            self.to_gpu[action.worker].send(encode(ReleaseTask(req=action.req)))
-        elif isinstance(action, ReleaseImages):
-            self._release_images(action.req, [action.compositor])
-        elif isinstance(action, ResetInputs):
-            self.inputs[action.worker].become_writer()
-        elif isinstance(action, Reply):
-            self._reply(action.request)
-        elif isinstance(action, Fail):
-            self._fail(action)
+    # -- what live sessions may ask of their host (frontend/live/host.py) -------------------------
 
-    def _dispatch(self, action: Dispatch) -> None:
-        r, call = action.request, action.request.data
-        batch, t = r.batch, call.tensors
-        visual = np.frombuffer(t.visual, "<f4").reshape(batch, *VISUAL_SHAPE) if t.visual is not None else None
-        if call.rows is not None:   # encoder inputs [J, 1, 80, 16]; the worker builds windows from call.rows
-            audio, shape = np.frombuffer(t.audio, "<f4").reshape(-1, 1, 80, 16), None
-        elif t.pcm:   # the worker derives each frame's window from the samples (config/audio.py)
-            audio, shape = np.frombuffer(t.audio, "<i2"), None
-        else:   # [batch, *A], or one window for every frame
-            window = call.spec.audio_shape
-            audio = np.frombuffer(t.audio, "<f4").reshape((batch, *window) if t.audio_per_frame else window)
-            shape = (batch, *window)
-        visual_ref, audio_ref = write_inputs(self.inputs[action.worker], r.req, visual, audio, shape)
-        call.tensors = None   # the client's frames are no longer needed
-        header = call.header
-        self.to_gpu[action.worker].send(encode(InferTask(
-            req=r.req, model=call.spec.id, batch=batch, audio=audio_ref, visual=visual_ref, frames=call.frames,
-            plan=action.plan, format=header.format or self.config.output.format,
-            quality=header.quality or self.config.output.quality, deadline=r.deadline, enqueued=call.t0,
-            version=call.spec.version, rows=call.rows, utterance=call.utterance[0],
-            first_input=call.utterance[1])))
+    def submit(self, request: Request) -> None:
+        self.apply(self.engine.submit(request, time.monotonic()))
+
+    def unpin(self, worker: int, model: str) -> None:
+        self.apply(self.engine.unpin(worker, model))
+
+    def compositors(self) -> list:
+        return self.engine.compositors
+
+    def close_encoder(self, compositor: int, session: str) -> None:
+        self.to_cpu[compositor].send(encode(CloseEncoder(session=session)))
+
+    def render(self, action: Render) -> None:
+        self.to_cpu[action.compositor].send(encode(self.live.render_message(action.request)))
 
     def _on_deadline(self) -> None:
         self.apply(self.engine.tick(time.monotonic()))
 
     # -- replies ----------------------------------------------------------------------------
 
-    def _send(self, client: Client, header: bytes, data: list = (), req: int = 0, image_slots=(),
+    def send(self, reply_to: ReplyTo, header: bytes, data: list = (), req: int = 0, image_slots=(),
               also: Optional[list] = None) -> bool:
         """Send a reply unless the connection's unread backlog is full (then drop it and return False).
         Raw frames leave from the image ring without a copy, except to a connection with a backlog:
         those are copied first, so a client that stops reading pins no image slot for long."""
         nbytes = len(header) + sum(memoryview(d).nbytes for d in data)
-        entry = self.backlogs.admit(client.conn, nbytes)
+        entry = self.backlogs.admit(reply_to.conn, nbytes)
         if entry is None:
             self.metrics.replies_dropped.inc()
             log.warning("dropped a reply of %d bytes: the client has %d bytes unread "
-                        "(limits.max_client_backlog_bytes)", nbytes, self.backlogs.queued(client.conn))
+                        "(limits.max_client_backlog_bytes)", nbytes, self.backlogs.queued(reply_to.conn))
             self.metrics.backlog_bytes.set(self.backlogs.total())
-            self._release_images(req, image_slots)
+            self.free_images(req, image_slots)
             return False
-        if image_slots and self.backlogs.queued(client.conn) > nbytes:   # it was not idle
+        if image_slots and self.backlogs.queued(reply_to.conn) > nbytes:   # it was not idle
             data = [bytes(d) for d in data]
-            self._release_images(req, image_slots)
+            self.free_images(req, image_slots)
             image_slots = ()
         # NOTE: pyzmq cannot track a message that resends received (untracked) frames: send their
         # buffers instead (still no copy; the memoryview keeps the received frame alive).
-        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*client.envelope, header, *data)]
-        sent = client.sock.send_multipart(frames, copy=False, track=True)
+        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*reply_to.envelope, header, *data)]
+        sent = reply_to.sock.send_multipart(frames, copy=False, track=True)
         sent.add_done_callback(lambda f: self._sent(f, entry))
         if also is not None:   # another bound counts this message too (a session's queued frames)
             sent.add_done_callback(lambda f: self._sent(f, also))
@@ -469,12 +413,12 @@ class Frontend:
         else:
             entry[0] = future.result()
 
-    def _error(self, client: Client, request_id, code: ErrorCode, message: str) -> None:
-        self._send(client, P.error_reply(request_id, ErrorCode(code), message))
+    def _error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
+        self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message))
 
-    def _release_images(self, req: int, compositors) -> None:
+    def free_images(self, req: int, compositors) -> None:
         for j in compositors:
-            self.to_cpu[j].send(encode(ReleaseImagesMsg(req=req)))
+            self.to_cpu[j].send(encode(ReleaseImages(req=req)))
 
     def _release_when_sent(self, sent, req: int, compositors: set[int]) -> None:
         """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
@@ -483,7 +427,7 @@ class Frontend:
 
         def check(tracker) -> None:
             if tracker.done:
-                self._release_images(req, compositors)
+                self.free_images(req, compositors)
             else:
                 loop.call_later(TRACKER_POLL_S, check, tracker)
 
@@ -491,7 +435,7 @@ class Frontend:
             if future.cancelled() or future.exception() is not None:
                 if not future.cancelled():
                     log.error("sending raw frames of request %d failed: %r", req, future.exception())
-                self._release_images(req, compositors)
+                self.free_images(req, compositors)
             else:
                 check(future.result())
 
@@ -502,7 +446,7 @@ class Frontend:
         self.metrics.requests.labels(call.header.op.value, call.label, outcome).inc()
         self.metrics.latency.labels("total").observe((time.monotonic() - call.t0) * 1000)
 
-    def _fail(self, action: Fail) -> None:
+    def fail(self, action: Fail) -> None:
         r, call = action.request, action.request.data
         if self.live.owns(r):
             self.live.failed(r, action.message)
@@ -515,9 +459,9 @@ class Frontend:
             limit = call.header.timeout_ms or int(self.config.limits.request_timeout_s * 1000)
             message += f"; the deadline was {limit} ms: raise timeout_ms or limits.request_timeout_s, or send less " \
                        "work at once"
-        self._error(call.client, call.header.id, action.code, message)
+        self._error(call.reply_to, call.header.id, action.code, message)
 
-    def _reply(self, r: Request) -> None:
+    def done(self, r: Request) -> None:
         call = r.data
         if self.live.owns(r):
             self.live.done(r)
@@ -530,7 +474,7 @@ class Frontend:
             header, data = self._composite_reply(r)
         else:
             header, data = control.reply(self, r), []
-        sent = self._send(call.client, header, data, r.req, r.image_slots)
+        sent = self.send(call.reply_to, header, data, r.req, r.image_slots)
         self._outcome(r, "ok" if sent else "dropped")
 
     def _timing(self, r: Request) -> P.Timing:
@@ -549,7 +493,7 @@ class Frontend:
             ring.verify(r.output)
         except StaleHandle as err:
             self._outcome(r, "unavailable")
-            self._error(r.data.client, r.data.header.id, ErrorCode.UNAVAILABLE,
+            self._error(r.data.reply_to, r.data.header.id, ErrorCode.UNAVAILABLE,
                         f"the worker restarted while the reply was read ({err})")
             return None, None
         self.metrics.frames.labels(r.data.label).inc(r.batch)
@@ -595,7 +539,7 @@ class Frontend:
         """The chunk's frames: encoded images as sent, or raw frames as views into the image ring."""
         if msg.ok:
             r = self.engine.table.get(msg.req)
-            model = r.data.spec.id if r is not None and r.kind is not Kind.IDLE else None
+            model = r.model if r is not None and r.kind is not Kind.RENDER else None
             if model is not None:
                 self.metrics.latency.labels("composite").observe(msg.composite_ms)
                 self.metrics.store.labels(model, "hit").inc(msg.hits)

@@ -72,7 +72,7 @@ class Speech:
     audio: Optional[bytes] = None
 
 
-class Session:
+class LiveSession:
     def __init__(self, token: str, model: str, conn: Optional[Hashable], fps: float, t0: float, start_frame: int,
                  n_backgrounds: int, order: str, lead_frames: int, audio_mode: str, feature_shape: tuple[int, ...],
                  data: Any = None):
@@ -98,7 +98,7 @@ class Session:
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
         self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
-        self.h264: Any = None                # h264 sessions: their frontend.h264.H264Stream
+        self.h264: Any = None                # h264 sessions: their frontend.live.h264_plan.H264Stream
         self.viewer = False                  # webrtc: frames go to the viewer (frontend/viewer.py)
 
     def due(self, k: int) -> float:
@@ -242,7 +242,7 @@ class Session:
 class SessionTable:
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
-        self._by_token: dict[str, Session] = {}
+        self._by_token: dict[str, LiveSession] = {}
         # (due time of its next frame, token): one entry per open session; closed ones are skipped lazily.
         # NOTE: the pacer rings once per due frame of every session, so finding the due sessions must
         # not cost a pass over all of them.
@@ -255,19 +255,19 @@ class SessionTable:
     def new_token() -> str:
         return secrets.token_urlsafe(12)
 
-    def add(self, session: Session) -> None:
+    def add(self, session: LiveSession) -> None:
         self._by_token[session.token] = session
         self.schedule(session)
 
-    def schedule(self, session: Session) -> None:
+    def schedule(self, session: LiveSession) -> None:
         """Queue the session for when its next frame is due (after it has sent what was due)."""
         heapq.heappush(self._due, (session.due(session.next_index) - session.ahead, session.token))
 
-    def wake(self, session: Session, when: float) -> None:
+    def wake(self, session: LiveSession, when: float) -> None:
         """Also take the session off the queue at `when` (an H.264 unit waiting to be sent)."""
         heapq.heappush(self._due, (when, session.token))
 
-    def due(self, now: float) -> list[Session]:
+    def due(self, now: float) -> list[LiveSession]:
         """The open sessions with a frame due by `now`, taken off the queue (schedule them again)."""
         out = {}
         while self._due and self._due[0][0] <= now:
@@ -277,16 +277,16 @@ class SessionTable:
                 out[token] = session   # once, however many times it was queued
         return list(out.values())
 
-    def get(self, token: str) -> Optional[Session]:
+    def get(self, token: str) -> Optional[LiveSession]:
         return self._by_token.get(token)
 
-    def sessions(self) -> list[Session]:
+    def sessions(self) -> list[LiveSession]:
         return list(self._by_token.values())
 
-    def pop(self, token: str) -> Optional[Session]:
+    def pop(self, token: str) -> Optional[LiveSession]:
         return self._by_token.pop(token, None)
 
-    def on_conn(self, conn: Hashable) -> list[Session]:
+    def on_conn(self, conn: Hashable) -> list[LiveSession]:
         return [s for s in self._by_token.values() if s.conn == conn]
 
     def next_due(self) -> Optional[float]:

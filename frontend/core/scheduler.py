@@ -14,68 +14,25 @@ A request's states:
     GATHERING (load, unload, stats: waits for each asked worker's answer) --> done
 
 Every end (done, error, deadline, client gone, a process death, shutdown) goes through `_finish`,
-which emits exactly one Reply or Fail first (so the shell can still read the output slot to build an
+which emits exactly one Done or Fail first (so the shell can still read the output slot to build an
 `infer` reply), then frees everything the request held.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterator, Optional, Union
 
+from frontend.core.request import CLIENT_GONE, Kind, Request, State
 from shm.codes import ErrorCode, ModelEventKind, ProcState
 from shm.messages import (Chunk, CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsQuery, StatsReport,
                           UnloadModel)
 
 
-class Kind(str, enum.Enum):
-    INFER = "infer"          # mouths back to the shell
-    COMPOSITE = "composite"  # mouths on to the compositors, frames back to the shell
-    LOAD = "load"            # one worker
-    UNLOAD = "unload"        # every ready worker
-    STATS = "stats"          # every ready worker; answered after stats_timeout_s with what came
-    WARM = "warm"            # the engine's own load of a model that queued requests wait for
-    IDLE = "idle"            # compositor work with no inference: idle frames, H.264 encodes (live sessions)
-
-
-class State(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    COMPOSITING = "compositing"
-    GATHERING = "gathering"
-
-
-CLIENT_GONE = "client_gone"   # an end with no reply to send (the connection closed)
-
-
-@dataclass(eq=False)
-class Request:
-    kind: Kind
-    model: Optional[str]
-    batch: int = 0
-    deadline: float = float("inf")
-    conn: Optional[Hashable] = None       # the connection it came over: its close ends the request
-    data: Any = None                      # the shell's own (header, client, tensors, ...): never read here
-    req: int = 0                          # set by the scheduler
-    state: State = State.QUEUED
-    worker: Optional[int] = None
-    in_slot: bool = False                 # holds an input slot of its worker
-    dispatched: bool = False              # its worker may hold an output slot for it
-    chunks: dict[int, int] = field(default_factory=dict)        # chunk start -> compositor, until done
-    images: dict[int, list] = field(default_factory=dict)       # chunk start -> the shell's frames
-    image_slots: set[int] = field(default_factory=set)          # compositors holding raw frames for it
-    waiting_on: set[int] = field(default_factory=set)           # workers a gathering op waits for
-    results: list = field(default_factory=list)                 # their answers
-    timing: dict[str, float] = field(default_factory=dict)
-    output: Any = None                    # InferDone.output (a TensorRef) of an `infer`
-    size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
-    gather_deadline: float = float("inf")
-    pin: int = 0                          # LOAD: +1 keeps the model loaded on that worker (a live session)
-    compositor: Optional[int] = None      # IDLE: only this compositor (an H.264 session's encoder lives there)
+STATS_TIMEOUT_S = 2.0   # how long a `stats` op waits for the workers' answers before it answers with what came
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -115,7 +72,7 @@ class ReleaseOutput:
 
 
 @dataclass(frozen=True)
-class ReleaseImages:
+class FreeImages:
     compositor: int
     req: int
 
@@ -127,7 +84,7 @@ class ResetInputs:
 
 
 @dataclass(frozen=True)
-class Reply:
+class Done:
     """The request succeeded: build its reply from it and send it. Raw frames: free `image_slots`
     once the bytes have left."""
     request: Request
@@ -140,7 +97,7 @@ class Fail:
     message: str
 
 
-Action = Union[Dispatch, Render, SendWorker, FreeInput, ReleaseOutput, ReleaseImages, ResetInputs, Reply, Fail]
+Action = Union[Dispatch, Render, SendWorker, FreeInput, ReleaseOutput, FreeImages, ResetInputs, Done, Fail]
 
 
 # -- state ---------------------------------------------------------------------------------------
@@ -243,7 +200,7 @@ class RequestTable:
 
 class Scheduler:
     def __init__(self, devices: list[str], n_compositors: int, slots: int, queue_depth: int,
-                 routing: str = "affinity", stats_timeout_s: float = 2.0):
+                 routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S):
         self.workers = [WorkerState(i, d, slots) for i, d in enumerate(devices)]
         self.compositors = [CompositorState() for _ in range(n_compositors)]
         self.table = RequestTable()
@@ -264,7 +221,7 @@ class Scheduler:
         self.table.add(r)
         if r.kind in (Kind.INFER, Kind.COMPOSITE):
             return self._admit(r)
-        if r.kind is Kind.IDLE:
+        if r.kind is Kind.RENDER:
             return self._render(r)
         if r.kind is Kind.LOAD:
             worker = self._pick(r.model)
@@ -404,7 +361,7 @@ class Scheduler:
         r = self.table.get(msg.req)
         if r is None or r.chunks.get(msg.start) != msg.compositor:
             # The request ended first: its raw frames are not wanted.
-            return [ReleaseImages(msg.compositor, msg.req)] if msg.images is not None else []
+            return [FreeImages(msg.compositor, msg.req)] if msg.images is not None else []
         del r.chunks[msg.start]
         if msg.compositor not in r.chunks.values():
             self.compositors[msg.compositor].active.discard(r.req)
@@ -533,14 +490,14 @@ class Scheduler:
 
     def _finish(self, r: Request, code: Union[ErrorCode, str, None] = None, message: str = "",
                 pump: bool = True) -> list[Action]:
-        """The one end of every request: one Reply or Fail first, then free everything it held."""
+        """The one end of every request: one Done or Fail first, then free everything it held."""
         if self.table.pop(r.req) is None:
             return []
         actions: list[Action] = []
         if r.kind is not Kind.WARM:
-            actions.append(Reply(r) if code is None else Fail(r, code, message))
+            actions.append(Done(r) if code is None else Fail(r, code, message))
         if code is not None or r.kind is not Kind.COMPOSITE:
-            actions += [ReleaseImages(c, r.req) for c in sorted(r.image_slots)]   # else the shell frees them once sent
+            actions += [FreeImages(c, r.req) for c in sorted(r.image_slots)]   # else the shell frees them once sent
         for c in self.compositors:
             c.active.discard(r.req)
         touched = {r.worker} if r.worker is not None else set()

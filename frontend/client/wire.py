@@ -1,0 +1,60 @@
+"""The client SDK's side of the wire (docs/protocol.md): request headers, reply parsing, errors and the
+DEALER socket every client and session uses (empty delimiter first, as the protocol says)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import numpy as np
+import zmq
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+Answer = tuple[dict, list]   # a reply's header and its data frames
+
+
+class ServerError(Exception):
+    """The server answered `ok: false`; `code` is one of the protocol's error codes."""
+
+    def __init__(self, code: str, message: str, reply: Optional[dict] = None):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message, self.reply = code, message, reply
+
+
+class ClientTimeout(TimeoutError):
+    """No reply within the client's own timeout (the server may be down or restarting)."""
+
+
+def tensor_payload(visual: Optional[np.ndarray], audio: np.ndarray) -> list:
+    frames = [] if visual is None else [np.ascontiguousarray(visual, dtype="<f4")]
+    return frames + [np.ascontiguousarray(audio, dtype="<f4")]
+
+
+def header(op: str, rid: int, **fields) -> bytes:
+    return json.dumps({"op": op, "id": rid, **{k: v for k, v in fields.items() if v is not None}}).encode()
+
+
+def parse(frames: list) -> Answer:
+    header = json.loads(bytes(frames[0]))
+    if not header.get("ok"):
+        err = header.get("error", {})
+        raise ServerError(err.get("code", "internal"), err.get("message", ""), header)
+    return header, frames[1:]
+
+
+def curve_keys(secret_key_file: str, server_key_file: str) -> dict:
+    """CURVE keys for a client: its own pair (the .key_secret file) and the server's public key."""
+    import zmq.auth
+    public, secret = zmq.auth.load_certificate(secret_key_file)
+    server, _ = zmq.auth.load_certificate(server_key_file)
+    return {"public": public, "secret": secret, "server": server}
+
+
+def new_socket(ctx, endpoint: str, curve: Optional[dict]):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        sock.curve_secretkey, sock.curve_publickey = curve["secret"], curve["public"]
+        sock.curve_serverkey = curve["server"]
+    sock.connect(endpoint)
+    return sock
