@@ -86,6 +86,7 @@ class LimitsConfig(_Section):
     max_message_bytes: PosInt = 512 * 1024 * 1024
     max_header_bytes: Annotated[int, msgspec.Meta(ge=256)] = 64 * 1024
     max_client_backlog_bytes: PosInt = 256 * 1024 * 1024
+    max_backlog_bytes: PosInt = 1024 * 1024 * 1024
 
 
 class InferenceConfig(_Section):
@@ -146,7 +147,7 @@ class H264Config(_Section):
 
 
 class SessionsConfig(_Section):
-    fps: Annotated[float, msgspec.Meta(gt=0, le=60)] = 25.0
+    fps: Annotated[float, msgspec.Meta(ge=1, le=60)] = 25.0
     max_sessions: PosInt = 256
     latency_budget_ms: Annotated[int, msgspec.Meta(ge=40, le=10000)] = 280
     max_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50

@@ -267,3 +267,32 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
             ctx.term()
         log = gpu_log.read_text()
         assert "died" not in log and "dropped a malformed message from an edge" in log, log[-3000:]
+
+
+def test_a_gpu_host_drains_on_sigterm(tmp_path, models, keys):
+    """SIGTERM to a GPU host: the work in flight on it is finished (or, past supervisor.shutdown_timeout_s,
+    answered `unavailable` at once), never left for the edge's heartbeat to give up on."""
+    port = free_port()
+    with run_server(tmp_path, edge_config(models, keys, port), role="edge", states=("degraded",)) as edge, \
+            edge.client() as c:
+        with gpu_host(tmp_path, gpu_config(models, keys, port)) as (proc, log):
+            _remote_ready(c)
+            c.load("slow")
+
+            async def sigterm_during_requests():
+                async with AsyncClient(edge.endpoint, timeout_s=30) as ac:
+                    tasks = [asyncio.create_task(ac.composite("slow", np.zeros((8, 32, 16, 16), np.float32)))
+                             for _ in range(2)]
+                    await asyncio.sleep(0.5)
+                    proc.send_signal(signal.SIGTERM)
+                    return await asyncio.gather(*tasks, return_exceptions=True)
+
+            results = asyncio.run(sigterm_during_requests())
+            assert proc.wait(30) == 0, log.read_text()[-3000:]
+        for result in results:
+            if isinstance(result, ServerError):
+                assert result.code == "unavailable" and "shutting down" in result.message, result
+            else:
+                header, images = result
+                assert header["ok"] and len(images) == 8
+        assert any(not isinstance(r, Exception) for r in results), f"nothing in flight was finished: {results}"

@@ -246,3 +246,20 @@ def test_round_robin_alternates_composite_requests_over_two_workers():
         workers.append(r.worker)
         e.fail(r.req, ErrorCode.TIMEOUT, "done with it")
     assert workers == [0, 1, 0, 1, 0, 1]
+
+
+def test_backlogs_bound_each_connection_and_all_of_them_together():
+    from types import SimpleNamespace
+
+    from frontend.core.backlog import Backlogs
+    mib = 1 << 20
+    b = Backlogs(limit=4 * mib, total_limit=6 * mib)
+    first = b.admit("c1", 3 * mib)
+    assert first is not None and b.admit("c2", 3 * mib) is not None
+    assert b.admit("c3", 1 * mib) is None, "an idle connection's reply past the bound over all is dropped"
+    first[0] = SimpleNamespace(done=True)    # c1's reply has left the socket
+    assert b.admit("c3", 2 * mib) is not None and b.total() == 5 * mib
+    assert b.admit("c2", 2 * mib) is None, "past one connection's bound"
+    b.closed("c2")
+    assert b.total() == 2 * mib and b.admit("c4", 4 * mib) is not None
+    assert Backlogs(limit=4 * mib, total_limit=1).admit("c", 8 * mib) is not None, "one reply always goes when none wait"

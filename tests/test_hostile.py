@@ -261,3 +261,49 @@ def test_a_client_that_stops_reading_is_bounded_and_holds_no_one_up(server):
     finally:
         stalled.close()
         ctx.term()
+
+
+def test_clients_that_stop_reading_are_bounded_all_together(models, tmp_path):
+    """limits.max_backlog_bytes bounds every connection's unread replies together: three clients that
+    each stay under their own bound (256 MiB) but read nothing get their replies dropped and counted
+    once the sum passes 8 MiB, and a client that reads is still served.
+    (The kernel's socket buffers hold some unread bytes too: those have left the server's memory.)"""
+    import time
+    import urllib.request
+
+    cfg = base_config(models)
+    cfg["limits"]["max_backlog_bytes"] = 8 << 20
+    cfg["limits"]["queue_depth"] = 64   # all 60 requests are taken (none refused overloaded)
+    cfg["metrics"]["port"] = free_port()
+
+    def dropped() -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("lipsync_replies_dropped_total "))
+
+    with run_server(tmp_path, cfg) as srv:
+        ctx = zmq.Context()
+        stalled = []
+        try:
+            # PNG, not raw: raw replies also hold compositors' image slots, which bound them first
+            header = json.dumps({"op": "composite", "model": "a", "batch": 8, "format": "png"}).encode()
+            for _ in range(3):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.RCVHWM, 1)
+                sock.setsockopt(zmq.RCVBUF, 64 * 1024)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(srv.endpoint)
+                stalled.append(sock)
+                for _ in range(20):   # 8 PNGs, 1.4 MB: 28 MB unread per client, 84 MB in all
+                    sock.send_multipart([b"", header, np.zeros((32, 16, 16), np.float32).tobytes()])
+            deadline = time.monotonic() + 60
+            while dropped() < 30:
+                assert time.monotonic() < deadline, f"only {dropped():g} replies dropped: unread bytes are not bounded"
+                time.sleep(0.2)
+        finally:
+            for sock in stalled:
+                sock.close()
+            ctx.term()
+        with srv.client(timeout_s=20) as c:
+            ok, images = c.composite("a", np.zeros((8, 32, 16, 16), np.float32), format="raw")
+            assert ok["ok"] and len(images) == 8

@@ -146,18 +146,47 @@ def test_admission_past_max_sessions_is_overloaded(server):
 
 def test_a_disconnected_client_closes_its_sessions(server):
     s = Session(server.endpoint, "a")
-    token = s.token
     s._sock.close(linger=0)   # the client goes away without session_close
     deadline = time.monotonic() + 5
-    with server.client() as c:
-        while True:
-            try:
-                c.request("session_stats", session=token)
-            except ServerError as err:
-                assert err.code == "bad_request" and "no open session" in err.message
-                break
+    while True:   # sessions.max_sessions is 3: three new ones open only once the gone client's is closed
+        opened = []
+        try:
+            opened = [Session(server.endpoint, "a") for _ in range(3)]
+            break
+        except ServerError as err:
+            assert err.code == "overloaded", err
             assert time.monotonic() < deadline, "the session outlived its client"
             time.sleep(0.1)
+        finally:
+            for o in opened:
+                o.__exit__(None, None, None)
+
+
+def test_only_the_connection_that_opened_a_session_drives_it(server):
+    """Another client that knows a session's id can neither drive it nor read it, and learns nothing
+    from trying: the answer is the one for an id that does not exist."""
+    with Session(server.endpoint, "a") as owner, server.client() as other:
+        frames_for(owner, 0.3)
+        reply = owner.send_audio(np.zeros((25, 32, 16, 16), np.float32))
+        for op, payload in [("session_audio", [np.zeros((5, 32, 16, 16), np.float32)]), ("session_interrupt", []),
+                            ("session_keyframe", []), ("session_stats", []), ("session_close", [])]:
+            messages = []
+            for session in (owner.token, "no-such-session"):
+                with pytest.raises(ServerError) as err:
+                    other.request(op, payload, session=session)
+                assert err.value.code == "bad_request" and "no open session" in err.value.message, (op, err.value)
+                messages.append(err.value.message.replace(session, "ID"))
+            assert messages[0] == messages[1], messages
+        speech = [h["index"] for _, h, _ in frames_for(owner, 2.5) if h["kind"] == "speech"]
+        assert speech == list(range(reply["first_frame"], reply["first_frame"] + 25)), "the owner's speech was cut"
+        assert owner.stats()["frames_speech"] == 25
+
+
+@pytest.mark.parametrize("fps", [0.0001, 0.5, 61])
+def test_a_rate_the_stream_cannot_keep_is_refused(server, fps):
+    with server.client() as c, pytest.raises(ServerError) as err:
+        c.request("session_open", model="a", fps=fps)
+    assert err.value.code == "bad_request" and "header.fps" in err.value.message, err.value
 
 
 def test_a_client_that_does_not_read_loses_frames_not_memory(server):
@@ -172,8 +201,12 @@ def test_a_client_that_does_not_read_loses_frames_not_memory(server):
         assert sock.poll(10_000)
         token = json.loads(sock.recv_multipart()[1])["session"]
         time.sleep(3.0)   # ~70 frames of ~150 KB: far more than the socket buffers hold
-        with server.client() as c:
-            stats, _ = c.request("session_stats", session=token)
+        sock.send_multipart([b"", json.dumps({"op": "session_stats", "id": 2, "session": token}).encode()])
+        while True:   # its reply comes after the frames still queued for this connection
+            assert sock.poll(10_000), "no reply to session_stats"
+            stats = json.loads(sock.recv_multipart()[1])
+            if stats.get("id") == 2:
+                break
         assert stats["dropped"] > 0 and stats["frames_idle"] + stats["dropped"] >= 50, stats
     finally:
         sock.close()

@@ -96,6 +96,7 @@ class BridgeServer(Shell):
     def close(self) -> None:
         if self.auth is not None:
             self.auth.stop()
+        self.edges.close(linger=1000)   # NOTE: let the last replies of the drain leave (the context ends with linger 0)
         for ring in [*self.input_rings, *self.outputs]:
             ring.close()
 
@@ -135,10 +136,12 @@ class BridgeServer(Shell):
         except (BridgeError, msgspec.DecodeError, msgspec.ValidationError) as err:
             log.warning("dropped a malformed message from an edge: %s", err)
             return
-        if isinstance(msg, Ping):   # draining: no worker ready, so the edge sends its work elsewhere
+        if isinstance(msg, Ping):
+            # NOTE: still the workers' own state while draining: a host that says none is ready has
+            # its edges fail the work in flight on it, which draining is there to finish.
             loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
-            ready = 0 if self.draining else sum(w.ready for w in self.engine.workers)
-            self._send(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=ready))
+            self._send(identity, Pong(sent=msg.sent, loaded=loaded,
+                                      workers_ready=sum(w.ready for w in self.engine.workers)))
             return
         call = EdgeCall(identity, msg.req, msg)
         if self.draining:

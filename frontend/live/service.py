@@ -38,6 +38,7 @@ PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each sessio
 RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
 SILENCE = bytes(2 * SAMPLES_PER_FRAME)
+MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
 BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
 
@@ -90,13 +91,12 @@ class Live:
         if op is P.Op.SESSION_OPEN:
             return self._open(call)
         session = self.table.get(call.header.session)
-        if session is None:
+        # NOTE: only the connection that opened a session may drive it or read it; to any other, a
+        # session it does not own is one that does not exist (the same error: ids are not probed).
+        if session is None or session.data.reply_to.peer != call.reply_to.peer:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.session: no open session {call.header.session!r} "
-                               "(closed, or its client disconnected); open one with session_open", call.header.id)
-        tenant = call.reply_to.tenant
-        if tenant is not None and not tenant.allows(session.model):
-            raise RequestError(ErrorCode.FORBIDDEN, "this session's model does not belong to your tenant",
-                               call.header.id)
+                               "on this connection (closed, its client disconnected, or opened by another "
+                               "connection); open one with session_open", call.header.id)
         if op is P.Op.SESSION_AUDIO:
             return self._audio(session, call, payload[0])
         if op is P.Op.SESSION_KEYFRAME:
@@ -135,6 +135,9 @@ class Live:
             raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
                                "or its role is gpu)", header.id)
         fps = header.fps or self.cfg.fps
+        if fps < MIN_FPS:   # the encoders' time base, and a stream that would send nothing for minutes
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.fps: {fps:g}; a live session runs at {MIN_FPS:g} to "
+                               "60 frames/s", header.id)
         now = time.monotonic()
         session = LiveSession(self.table.new_token(), spec.id, call.reply_to.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,

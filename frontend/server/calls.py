@@ -27,6 +27,11 @@ class ReplyTo:
     tenant: Optional[Tenant] = None
     conn: Optional[tuple] = None   # (ROUTER index, connection fd): what a disconnect names
 
+    @property
+    def peer(self) -> tuple:
+        """Who sent it: the socket and the routing ids (unique per connection, inproc included)."""
+        return id(self.sock), tuple(getattr(f, "bytes", f) for f in self.envelope)
+
 
 @dataclass
 class Call:

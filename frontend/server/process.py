@@ -384,8 +384,9 @@ class Frontend(Shell):
         entry = self.backlogs.admit(reply_to.conn, nbytes)
         if entry is None:
             self.metrics.replies_dropped.inc()
-            log.warning("dropped a reply of %d bytes: the client has %d bytes unread "
-                        "(limits.max_client_backlog_bytes)", nbytes, self.backlogs.queued(reply_to.conn))
+            log.warning("dropped a reply of %d bytes: the client has %d bytes unread (limits.max_client_backlog_bytes), "
+                        "all clients %d (limits.max_backlog_bytes)", nbytes, self.backlogs.queued(reply_to.conn),
+                        self.backlogs.total())
             self.metrics.backlog_bytes.set(self.backlogs.total())
             self.free_images(req, image_slots)
             return False
