@@ -159,6 +159,30 @@ def frame_audio(pcm: bytes, frames: int, first: int = 0) -> list[bytes]:
     return out
 
 
+RATES = (8000, 48000)                # PCM a live session takes, in Hz; the mel runs on a 16 kHz copy
+
+
+def frame_samples(rate: int) -> int:
+    """Samples of `rate` Hz PCM that play with one video frame (40 ms: 960 at 24 kHz)."""
+    if not RATES[0] <= rate <= RATES[1] or rate % FPS:
+        raise ValueError(f"sample_rate {rate}: PCM at {RATES[0]} to {RATES[1]} Hz, a multiple of {FPS} "
+                         f"(a whole number of samples per {1000 // FPS}-ms frame)")
+    return rate // FPS
+
+
+class Resampler:
+    """PCM at `rate` Hz arriving in chunks -> the same at 16 kHz, for the mel (python-soxr, its HQ
+    setting: the output of a stream fed chunk by chunk equals `soxr.resample` on the whole, and lags
+    the input by a few milliseconds until `last`)."""
+
+    def __init__(self, rate: int):
+        import soxr   # NOTE: here, not at the top: a client that imports these constants needs no soxr
+        self._stream = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32")
+
+    def push(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
+        return self._stream.resample_chunk(np.asarray(samples, np.float32), last=last)
+
+
 class PcmStream:
     """One utterance of 16 kHz PCM arriving in chunks: its encoder inputs and each frame's feature rows,
     exactly as the whole-utterance computation gives them, as soon as what they depend on has arrived.

@@ -21,6 +21,10 @@ except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux onl
 
 
 
+RAW_LAYOUTS = {"raw-rgb24": cv2.COLOR_BGR2RGB, "raw-rgba": cv2.COLOR_BGR2RGBA}
+RAW_I420 = "raw-i420"   # from the store's I420 background, only the face box converted (cpu_actor/h264.py)
+
+
 def mouth_to_uint8(mouth: np.ndarray) -> np.ndarray:
     """P [3,320,320] float32 in [0,1] -> HWC uint8 (step 2's truncation), contiguous: cv2.merge
     interleaves the planes ~15x faster than pasting a transposed view (0.04 vs 0.38 ms)."""
@@ -45,6 +49,8 @@ def encode(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
         return encode_png(image)
     if fmt == "raw":
         return memoryview(np.ascontiguousarray(image)).cast("B")
+    if fmt in RAW_LAYOUTS:   # a live session's raw frames in the layout its client plays (raw-i420: worker.py)
+        return memoryview(cv2.cvtColor(image, RAW_LAYOUTS[fmt])).cast("B")
     raise ValueError(f"format must be jpeg, png or raw, got {fmt!r}")
 
 

@@ -23,7 +23,7 @@ import zmq
 
 from config import Config
 from config.assets import AssetCache, AssetError
-from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.composite import RAW_I420, encode, mouth_to_uint8, paste
 from cpu_actor.h264 import Encoders, apply_box, encode_frame, open_encoder, pack_box, to_i420
 from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
@@ -164,6 +164,13 @@ class Compositor:
                     hits += hit
                     encoded.append(pack_box(i420, assets.width, assets.height, crop, mouth, assets.rects[frame]))
                     continue
+                if task.format == RAW_I420:   # a whole raw I420 frame: the same box, written into the background
+                    i420, crop, hit = self._i420(assets, frame)
+                    hits += hit
+                    box = pack_box(i420, assets.width, assets.height, crop, mouth, assets.rects[frame])
+                    apply_box(i420, assets.width, assets.height, box)
+                    encoded.append(memoryview(i420).cast("B"))
+                    continue
                 background, crop, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f),
                                                          out=None if targets is None else targets[i])
                 hits += hit
@@ -209,6 +216,11 @@ class Compositor:
             assets.check_frames(task.frames)
             encoded, hits = [], 0
             for frame in task.frames:
+                if task.format == RAW_I420:
+                    i420, _, hit = self._i420(assets, frame)
+                    hits += hit
+                    encoded.append(memoryview(i420).cast("B"))
+                    continue
                 background, _, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f))
                 hits += hit
                 encoded.append(encode(background, task.format, task.quality))

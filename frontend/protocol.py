@@ -41,6 +41,7 @@ SESSION_OPS = frozenset({Op.SESSION_AUDIO, Op.SESSION_INTERRUPT, Op.SESSION_CLOS
 RequestId = Union[str, int, None]
 ImageFormat = Literal["jpeg", "png", "raw"]
 FrameFormat = Literal["jpeg", "png", "raw", "h264"]     # h264: live sessions only
+PixelFormat = Literal["bgr24", "rgb24", "rgba", "i420"]  # a live session's raw frames
 
 
 class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -60,6 +61,8 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     audio: Optional[Literal["window", "features", "pcm16"]] = None
     last: bool = False
     webrtc: bool = False            # session_open (h264): also stream it to a browser through the viewer
+    sample_rate: Optional[Annotated[int, msgspec.Meta(ge=8000, le=48000)]] = None   # session_open, pcm16: Hz
+    pixel_format: Optional[PixelFormat] = None    # session_open, raw: the frames' layout (bgr24)
 
 
 # -- replies ----------------------------------------------------------------------------------
@@ -173,6 +176,8 @@ class SessionOpenReply(msgspec.Struct, kw_only=True):
     start_frame: int
     format: FrameFormat = "jpeg"
     viewer_url: Optional[str] = None   # webrtc: the page that plays this session (valid while it is open)
+    sample_rate: Optional[int] = None      # pcm16: the PCM's rate, in and out
+    pixel_format: Optional[PixelFormat] = None   # raw: the frames' layout
 
 
 class SessionAudioReply(msgspec.Struct, kw_only=True):
@@ -224,6 +229,8 @@ class FrameEvent(msgspec.Struct, kw_only=True):
     kind: Literal["speech", "idle"]
     frame: int                        # background frame index
     keyframe: bool = False            # h264: this access unit starts with an IDR (decoding can start here)
+    utterance: Optional[int] = None   # the utterance (1, 2, ... per session) whose speech or audio it carries
+    last: bool = False                # the utterance's last frame: its last samples, or where an interrupt cut it
 
 
 _encoder = msgspec.json.Encoder()

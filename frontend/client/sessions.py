@@ -39,9 +39,10 @@ def _frame(frames: list) -> Frame:
 
 
 def _open_fields(model: str, format: str, quality: Optional[int], fps: Optional[float], start_frame: int,
-                 audio: str, webrtc: bool = False) -> dict:
+                 audio: str, webrtc: bool = False, sample_rate: Optional[int] = None,
+                 pixel_format: Optional[str] = None) -> dict:
     return {"model": model, "format": format, "quality": quality, "fps": fps, "start_frame": start_frame,
-            "audio": audio, "webrtc": webrtc or None}
+            "audio": audio, "webrtc": webrtc or None, "sample_rate": sample_rate, "pixel_format": pixel_format}
 
 
 class Session:
@@ -49,13 +50,14 @@ class Session:
 
     def __init__(self, endpoint: str, model: str, *, format: str = "jpeg", quality: Optional[int] = None,
                  fps: Optional[float] = None, start_frame: int = 0, audio: str = "window", timeout_s: float = 30.0,
-                 curve: Optional[dict] = None, webrtc: bool = False):
+                 curve: Optional[dict] = None, webrtc: bool = False, sample_rate: Optional[int] = None,
+                 pixel_format: Optional[str] = None):
         self.timeout_s = timeout_s
         self._sock = wire.new_socket(zmq.Context.instance(), endpoint, curve)
         self._ids = itertools.count(1)
         self._frames: deque[Frame] = deque()
         self.info = self._request("session_open", **_open_fields(model, format, quality, fps, start_frame, audio,
-                                                                  webrtc))
+                                                                  webrtc, sample_rate, pixel_format))
         self.token: str = self.info["session"]
         self.closed = False
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from config.audio import AUDIO_SHAPE, SAMPLES_PER_FRAME, WINDOW_ROWS
+from config.audio import AUDIO_SHAPE, SAMPLE_RATE, WINDOW_ROWS
 from frontend import protocol as P
 from frontend.core.alarm import Alarm
 from frontend.core.backlog import Backlogs
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
 RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
-SILENCE = bytes(2 * SAMPLES_PER_FRAME)
 MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
 BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
@@ -134,6 +133,14 @@ class Live:
         if header.webrtc and self.viewer is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
                                "or its role is gpu)", header.id)
+        rate = header.sample_rate or SAMPLE_RATE
+        if rate != SAMPLE_RATE and (rate % 25 or header.webrtc):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.sample_rate: {rate}; " + (
+                "a webrtc session takes 16000 Hz" if header.webrtc else
+                "a multiple of 25 Hz (a whole number of samples per 40-ms frame)"), header.id)
+        if header.pixel_format == "i420" and (spec.width % 2 or spec.height % 2):
+            raise RequestError(ErrorCode.BAD_REQUEST, f"header.pixel_format: i420 needs even frame sizes; model "
+                               f"{spec.id}'s frames are {spec.width}x{spec.height}", header.id)
         fps = header.fps or self.cfg.fps
         if fps < MIN_FPS:   # the encoders' time base, and a stream that would send nothing for minutes
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.fps: {fps:g}; a live session runs at {MIN_FPS:g} to "
@@ -142,7 +149,7 @@ class Live:
         session = LiveSession(self.table.new_token(), spec.id, call.reply_to.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
                           max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
-                          (WINDOW_ROWS, elements // WINDOW_ROWS), data=call)
+                          (WINDOW_ROWS, elements // WINDOW_ROWS), data=call, sample_rate=rate)
         if fmt == "h264":
             self.h264.open(session)
         self.table.add(session)
@@ -157,7 +164,8 @@ class Live:
         return P.encode(P.SessionOpenReply(
             id=header.id, session=session.token, fps=fps, width=spec.width, height=spec.height,
             audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame,
-            format=fmt, viewer_url=viewer_url))
+            format=fmt, viewer_url=viewer_url, sample_rate=rate if mode == "pcm16" else None,
+            pixel_format=(header.pixel_format or "bgr24") if fmt == "raw" else None))
 
     def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         spec = session.data.spec
@@ -183,7 +191,7 @@ class Live:
                                header.id)
         values = np.frombuffer(audio, "<f4").reshape(n, *shape)
         if session.audio_mode == "window":
-            first, work = session.windows(values, now)
+            first, work = session.windows(values, now, header.last)
         else:
             first, work = session.features(values, header.last, now, spec.audio_shape)
         for frames, windows in work:
@@ -192,9 +200,10 @@ class Live:
 
     def _pcm(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         header = call.header
-        limit = self.cfg.max_chunk_frames * SAMPLES_PER_FRAME
+        limit = self.cfg.max_chunk_frames * session.frame_samples
         if len(audio) % 2 or len(audio) // 2 > limit:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {len(audio)} bytes; expected 16 kHz int16 "
+            raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {len(audio)} bytes; expected "
+                               f"{session.sample_rate} Hz int16 "
                                f"PCM, at most {limit} samples (sessions.max_chunk_frames)", header.id)
         now = time.monotonic()
         ahead = (session.speech_end - session.now_index(now)) / session.fps
@@ -375,6 +384,8 @@ class Live:
         quality = header.quality or self.config.output.quality
         if fmt == "h264":   # speech frames are composited into face boxes, the session's encoder does the rest
             fmt = "i420"
+        elif fmt == "raw" and header.pixel_format not in (None, "bgr24"):   # cpu_actor/composite.py: raw-<layout>
+            fmt = "raw-" + header.pixel_format
         return (spec.id, spec.version, background, fmt, quality)
 
     def _prefetch(self, session: LiveSession) -> None:
@@ -427,14 +438,15 @@ class Live:
             return False
         audio = None
         if session.audio_mode == "pcm16":   # every frame carries its 40 ms of audio: silence when idle
-            audio = frame.audio if frame.audio is not None else SILENCE
+            audio = frame.audio if frame.audio is not None else session.silence
         if session.viewer:   # webrtc sessions stream to the viewer, not to the client
             self.viewer.push(session, frame, image, audio, keyframe)
         else:
             entry = self.queued.admit(session.token, 1)
             header = P.encode(P.FrameEvent(session=session.token, index=frame.index,
                                            pts_ms=frame.index * 1000 / session.fps, kind=frame.kind,
-                                           frame=frame.background, keyframe=keyframe))
+                                           frame=frame.background, keyframe=keyframe, utterance=frame.utterance,
+                                           last=frame.last))
             # entry None: the client is not reading; frames past sessions.max_queued_frames go
             if entry is None or not self.host.send(session.data.reply_to, header,
                                                   [image] if audio is None else [image, audio], also=entry):

@@ -8,7 +8,8 @@ ready when due goes out as idle and counts as missed: the stream never waits.
 
 Speech placement: a chunk of n frames lands right after the previous speech when that is still at
 least `lead` frames ahead of the frame going out now, else at the earliest frame `lead` ahead (the
-latency budget). In `features` mode the server keeps the utterance's feature vectors and builds
+latency budget); a pcm16 utterance also waits for the samples its frame 0's window needs that its first
+chunk lacks, at real time. In `features` mode the server keeps the utterance's feature vectors and builds
 frame j's window from rows j-8 .. j+7 (zeros outside the utterance), as SyncTalk_2D's
 `get_audio_features` does; frame j can be inferred once row j+7 has arrived or the utterance ended.
 """
@@ -25,10 +26,10 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from config.assets import frame_index
-from config.audio import SAMPLES_PER_FRAME, PcmStream, frame_audio, gather_rows, window_rows
+from config.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, PcmStream, Resampler, frame_samples, gather_rows, window_rows
 
 LOOKAHEAD = 7
-PCM_LOOKAHEAD_FRAMES = 12  # pcm16: frame i's window needs 7,240 samples past its start (config/audio.PcmStream)
+PCM_LOOKAHEAD_SAMPLES = 7240   # pcm16: frame i's window needs 7,240 samples (16 kHz) past its start (PcmStream)
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Outgoing:
     received: Optional[float] = None   # speech: when its audio arrived (for latency)
     audio: Optional[bytes] = None      # pcm16 sessions: the frame's 40 ms of PCM
     missed: bool = False               # idle where speech was placed (late, or its inference failed)
+    utterance: Optional[int] = None    # the utterance whose speech (or audio) this frame carries
+    last: bool = False                 # ... and its last frame (its last samples, or where an interrupt cut it)
 
 
 @dataclass
@@ -70,12 +73,15 @@ class Speech:
     image: Any = None
     failed: bool = False
     audio: Optional[bytes] = None
+    utterance: Optional[int] = None
+    last: bool = False                  # the utterance's last frame
+    tail: bool = False                  # audio only: no image is made for it (goes out idle, not missed)
 
 
 class LiveSession:
     def __init__(self, token: str, model: str, conn: Optional[Hashable], fps: float, t0: float, start_frame: int,
                  n_backgrounds: int, order: str, lead_frames: int, audio_mode: str, feature_shape: tuple[int, ...],
-                 data: Any = None):
+                 data: Any = None, sample_rate: int = SAMPLE_RATE):
         self.token, self.model, self.conn, self.data = token, model, conn, data
         self.fps, self.t0, self.start_frame = fps, t0, start_frame
         self.n_backgrounds, self.order = n_backgrounds, order
@@ -91,6 +97,11 @@ class LiveSession:
         self._row_received: list[float] = []
         self._inferred_rows = 0              # rows whose frame was handed out for inference
         self._stream: Optional[PcmStream] = None   # pcm16: the utterance being received
+        self.sample_rate = sample_rate       # pcm16: the rate the client sends (and gets back)
+        self.frame_samples = frame_samples(sample_rate)
+        self.silence = bytes(2 * self.frame_samples)
+        self._resampler: Optional[Resampler] = None   # ... to 16 kHz for the mel, when it is another rate
+        self._utterance: Optional[int] = None       # the utterance being received (every audio mode)
         self._utterance_start = 0            # ... its frame 0 on the timeline
         self._utterance_pcm = bytearray()    # ... its samples, for each frame's audio out
         self._utterance_done = 0             # ... its frames handed out for inference
@@ -120,23 +131,43 @@ class LiveSession:
         self.speech_end = first + n
         return first
 
-    def windows(self, audio: np.ndarray, now: float) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
+    def _begin(self) -> int:
+        """The utterance a chunk belongs to: the one being received, else a new one."""
+        if self._utterance is None:
+            self._utterances += 1
+            self._utterance = self._utterances
+        return self._utterance
+
+    def _end(self, k: int) -> None:
+        """The utterance ends at frame k (`last: true`): that frame says so."""
+        if k in self.speech:
+            self.speech[k].last = True
+        self._utterance = None
+
+    def windows(self, audio: np.ndarray, now: float,
+                last: bool = False) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
         """Window mode: a chunk [n, *A] -> (first frame, [(frames, windows)]) ready for inference."""
         first = self.place(len(audio), now)
         frames = list(range(first, first + len(audio)))
+        utterance = self._begin()
         for k in frames:
-            self.speech[k] = Speech(now)
+            self.speech[k] = Speech(now, utterance=utterance)
+        if last:
+            self._end(frames[-1])
         return first, [(frames, audio)]
 
     def features(self, rows: np.ndarray, last: bool, now: float,
                  audio_shape: tuple[int, ...]) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
         """Features mode: n vectors [n, F] -> (first frame they drive, windows now computable)."""
         first = self.place(len(rows), now)
+        utterance = self._begin()
         for i, row in enumerate(rows):
             self._rows.append(np.asarray(row, np.float32))
             self._row_frame.append(first + i)
             self._row_received.append(now)
-            self.speech[first + i] = Speech(now)
+            self.speech[first + i] = Speech(now, utterance=utterance)
+        if last:
+            self._end(first + len(rows) - 1)
         ready = len(self._rows) if last else max(len(self._rows) - LOOKAHEAD, 0)
         js = list(range(self._inferred_rows, ready))
         self._inferred_rows = ready
@@ -152,45 +183,75 @@ class LiveSession:
         return gather_rows(np.stack(self._rows), [window_rows(j, len(self._rows))])[0]
 
     def pcm(self, chunk: bytes, last: bool, now: float):
-        """pcm16 mode: a chunk of 16 kHz int16 PCM. Returns (first frame its audio plays in, frames it
-        spans, ready) where ready is [(stream, frame, rows)]: each frame now computable, with the
-        utterance's stream (its encoder inputs) and the frame's window rows into them."""
-        if self._stream is None:   # a new utterance: its frames land once the look-ahead has arrived too
-            self._utterances += 1
-            self._stream = PcmStream(f"{self.token}/{self._utterances}")
-            earliest = self.now_index(now) + self.lead + PCM_LOOKAHEAD_FRAMES
+        """pcm16 mode: a chunk of int16 PCM at the session's rate. Returns (first frame its audio plays
+        in, frames it spans, ready) where ready is [(stream, frame, rows)]: each frame now computable,
+        with the utterance's stream (its encoder inputs, from a 16 kHz copy) and the frame's window rows
+        into them. Each frame carries its own 1/25 s of the samples sent, at their rate; the samples past
+        the last video frame go out with the frames after it (idle), so every sample comes back."""
+        fs = self.frame_samples
+        if self._stream is None:
+            if not chunk:   # an empty `last` with nothing before it: no utterance
+                return max(self.speech_end, self.now_index(now) + self.lead), 0, []
+            self._utterance = self._begin()
+            self._stream = PcmStream(f"{self.token}/{self._utterance}")
+            self._resampler = Resampler(self.sample_rate) if self.sample_rate != SAMPLE_RATE else None
+            # Speech lands by the audio in hand: frame 0 needs PCM_LOOKAHEAD_SAMPLES; those not here yet
+            # arrive at least in real time (else its frames go out late: send audio in real time or faster).
+            have = len(chunk) // 2 * SAMPLE_RATE // self.sample_rate
+            wait = 0 if last else -(-max(PCM_LOOKAHEAD_SAMPLES - have, 0) // SAMPLES_PER_FRAME)
+            earliest = self.now_index(now) + self.lead + wait
             self._utterance_start = self.speech_end if self.speech_end >= earliest else earliest
             self._utterance_pcm = bytearray()
             self._utterance_done = 0
         before = len(self._utterance_pcm) // 2
         self._utterance_pcm += chunk
         after = len(self._utterance_pcm) // 2
-        stream = self._stream
-        stream.push(np.frombuffer(chunk, "<i2").astype(np.float32) / 32768.0, last)
-        first = self._utterance_start + before // SAMPLES_PER_FRAME
-        spans = -(-after // SAMPLES_PER_FRAME) - before // SAMPLES_PER_FRAME
+        stream, start, utterance = self._stream, self._utterance_start, self._utterance
+        samples = np.frombuffer(chunk, "<i2").astype(np.float32) / 32768.0
+        if self._resampler is not None:
+            samples = self._resampler.push(samples, last)
+        stream.push(samples, last)
+        first = start + before // fs
+        spans = -(-after // fs) - before // fs
         ready = stream.frame_count()
         work = []
         for i in range(self._utterance_done, ready):
-            k = self._utterance_start + i
-            self.speech[k] = Speech(now, audio=frame_audio(bytes(self._utterance_pcm), 1, i)[0])
+            k = start + i
+            self.speech[k] = Speech(now, audio=self._frame_pcm(i), utterance=utterance)
             work.append((stream, k, stream.frame_rows(i)))
         self._utterance_done = ready
-        self.speech_end = max(self.speech_end, self._utterance_start + max(ready, -(-after // SAMPLES_PER_FRAME)))
+        heard = -(-after // fs)   # frames its samples so far play in
+        self.speech_end = max(self.speech_end, start + max(ready, heard))
         if last:
-            self.speech_end = self._utterance_start + ready
-            self._stream = None
+            for i in range(ready, heard):   # its last samples, past its last video frame
+                if start + i >= self.next_index:
+                    self.speech[start + i] = Speech(now, audio=self._frame_pcm(i), utterance=utterance, tail=True)
+            self.speech_end = start + max(ready, heard)
+            self._end(self.speech_end - 1)
+            self._stream = self._resampler = None
         return first, max(spans, 0), work
 
+    def _frame_pcm(self, i: int) -> bytes:
+        """Frame i of the utterance: its samples as sent (zeros past the end)."""
+        size = 2 * self.frame_samples
+        piece = bytes(memoryview(self._utterance_pcm)[i * size:(i + 1) * size])
+        return piece + bytes(size - len(piece))
+
     def interrupt(self) -> int:
-        """Drop speech not yet sent; idle follows. Returns how many frames were dropped."""
+        """Drop speech not yet sent; idle follows, the first idle frame marked as the utterance's last.
+        Returns how many frames were dropped."""
         dropped = [k for k in self.speech if k >= self.next_index]
+        count = sum(not self.speech[k].tail for k in dropped)
+        cut = max((self.speech[k].utterance or 0 for k in dropped), default=0) or self._utterance
         for k in dropped:
             del self.speech[k]
+        if cut:   # the frame going out next tells the client that this utterance's playback ended here
+            self.speech[self.next_index] = Speech(0.0, utterance=cut, last=True, tail=True)
         self.speech_end = self.next_index
         self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
-        self._stream = None
-        return len(dropped)
+        self._stream = self._resampler = None
+        self._utterance = None
+        return count
 
     # -- results and pacing ----------------------------------------------------------------------
 
@@ -214,12 +275,16 @@ class LiveSession:
             speech = self.speech.pop(k, None)
             if speech is not None and speech.image is not None:
                 out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received,
-                                    speech.audio))
+                                    speech.audio, utterance=speech.utterance, last=speech.last))
+            elif speech is not None and speech.tail:   # audio only (an utterance's last samples), or a cut
+                out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), audio=speech.audio,
+                                    utterance=speech.utterance, last=speech.last))
             else:
                 if speech is not None:
                     self.stats.missed += 1
                 out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None,
-                                    audio=speech.audio if speech is not None else None))
+                                    audio=speech.audio if speech is not None else None,
+                                    utterance=speech and speech.utterance, last=speech is not None and speech.last))
             self.next_index += 1
         return out
 

@@ -1,0 +1,46 @@
+"""Speech for the integration tests, as a TTS would give it: espeak-ng's voice (Debian's `espeak-ng`,
+no download) resampled to the TTS's rate; where espeak-ng is not installed, the project's generated
+speech-like signal (config.audio.speech), so the tests still run and say which they used."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import wave
+from pathlib import Path
+
+import numpy as np
+import soxr
+
+from config.audio import SAMPLE_RATE, speech
+
+TEXT = "Hello! I am your own avatar, served from your own machine, and my lips move with every word."
+
+
+def espeak_available() -> bool:
+    return shutil.which("espeak-ng") is not None
+
+
+def tts_speech(rate: int = 24000, text: str = TEXT, seconds: float = 0.0) -> np.ndarray:
+    """int16 mono speech at `rate` Hz (at most `seconds` long when given)."""
+    if espeak_available():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "speech.wav"
+            subprocess.run(["espeak-ng", "-s", "160", "-w", str(path), text], check=True, capture_output=True)
+            with wave.open(str(path)) as w:
+                native, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    else:
+        native, pcm = SAMPLE_RATE, speech(4.0, seed=3)
+    out = soxr.resample(pcm.astype(np.float32) / 32768, native, rate) if native != rate else pcm / 32768
+    out = np.clip(np.round(np.asarray(out) * 32767), -32768, 32767).astype("<i2")
+    return out[: int(seconds * rate)] if seconds else out
+
+
+def write_wav(path: Path, pcm: np.ndarray, rate: int) -> Path:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(np.ascontiguousarray(pcm, "<i2").tobytes())
+    return path
