@@ -23,12 +23,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
-import cv2
 import numpy as np
-import simplejpeg
 
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE, crop_328, valid_model_id
-from config.loader import resolve_path
 from config.schema import Config
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -53,6 +50,7 @@ class ModelPaths:
 
 def _encoder(config: Config, own: Optional[Path]) -> Optional[Path]:
     """A model's own audio_encoder.onnx, else the shared `audio.encoder`, else None."""
+    from config.loader import resolve_path   # NOTE: here and below: the loader imports YAML, no worker needs it
     if own is not None and own.exists():
         return own
     return resolve_path(config, config.audio.encoder) if config.audio.encoder else None
@@ -62,6 +60,7 @@ def model_paths(config: Config, model_id: str) -> Optional[ModelPaths]:
     """Where model `model_id`'s files are, or None if the config knows no such model."""
     if not valid_model_id(model_id):
         return None
+    from config.loader import resolve_path
     entry = config.models.get(model_id)
     if isinstance(entry, str):  # a directory laid out like one under models_dir
         root = resolve_path(config, entry)
@@ -83,6 +82,7 @@ def model_paths(config: Config, model_id: str) -> Optional[ModelPaths]:
 def list_model_ids(config: Config) -> list[str]:
     ids = set(config.models)
     if config.models_dir is not None:
+        from config.loader import resolve_path
         root = resolve_path(config, config.models_dir)
         if root.is_dir():
             with os.scandir(root) as entries:   # NOTE: scandir's is_dir needs no stat() per entry
@@ -168,6 +168,7 @@ def image_size(data: bytes, path: Path) -> tuple[int, int]:
         return width, height
     if data[:2] == b"\xff\xd8":
         try:
+            import simplejpeg   # NOTE: here: imported by the first JPEG read, not by every process at start
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return width, height
         except ValueError as err:
@@ -183,6 +184,7 @@ def read_image(path: Path, max_size: tuple[int, int], size: Optional[tuple[int, 
         raise AssetError(f"{path}: cannot read it: {err.strerror}") from None
     width, height = image_size(data, path)
     _check_size(path, width, height, max_size, size)
+    import cv2   # NOTE: here: the frontend imports this module for the layout alone, and needs no OpenCV
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if image is None:
         raise AssetError(f"{path}: cannot decode this image")

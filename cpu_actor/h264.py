@@ -24,13 +24,16 @@ import struct
 import time
 from collections import OrderedDict
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-import av
 import cv2
 import numpy as np
 
 from config.geometry import INNER
 from shm.messages import H264Settings
+
+if TYPE_CHECKING:
+    import av   # NOTE: imported where it is used: a compositor opens no encoder until an H.264 session does
 
 _BOX = struct.Struct("<4H")
 IDLE_ENCODER_S = 60.0     # an encoder whose session sent nothing for this long is dropped
@@ -98,6 +101,7 @@ def open_encoder(width: int, height: int, settings: H264Settings) -> av.VideoCod
     """libx264 for live frames: constrained baseline (what browsers decode), no B-frames and no
     look-ahead (zerolatency: one frame in, one access unit out), Annex-B with SPS/PPS before every IDR,
     an IDR every `gop` frames and none from scene cuts, one thread (the process pool is the parallelism)."""
+    import av
     fps, bitrate, preset, gop = settings.fps, settings.bitrate, settings.preset, settings.gop
     ctx = av.CodecContext.create("libx264", "w")
     ctx.width, ctx.height, ctx.pix_fmt = width, height, "yuv420p"
@@ -114,6 +118,7 @@ def open_encoder(width: int, height: int, settings: H264Settings) -> av.VideoCod
 
 
 def encode_frame(ctx: av.VideoCodecContext, i420: np.ndarray, pts: int, idr: bool) -> bytes:
+    import av
     frame = av.VideoFrame.from_numpy_buffer(i420, format="yuv420p")
     frame.pts = pts
     if idr:
