@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 class KeyError_(ValueError):
     """A key file is missing or unreadable; the message names the file and the config key."""
 
+    # No restart can cure it: the child reports it as permanent and the supervisor ends the server
+    # (shm/child.py, CannotServe; config imports no other room, so it says so by this attribute).
+    permanent = True
+
 
 def load_public(path: str | Path, setting: str) -> bytes:
     try:

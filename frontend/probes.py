@@ -5,6 +5,7 @@ Kubernetes probes and load balancers. A small threaded server: probes never wait
 
 from __future__ import annotations
 
+import errno
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,6 +13,7 @@ from typing import Callable, Optional
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from shm.child import CannotServe
 from shm.codes import ProcState
 
 SERVING = ("ready", "degraded")   # /readyz answers 200 for these, 503 for starting, draining, not ready
@@ -38,7 +40,8 @@ def readiness(workers: list, compositors: list, synced: bool, draining: bool) ->
 
 def serve(host: str, port: int, ready: Callable[[], tuple[str, Optional[str]]],
           registry: Optional[CollectorRegistry] = None) -> Optional[ThreadingHTTPServer]:
-    """Start serving in a daemon thread (port 0: not at all). `ready()` returns `readiness(...)`."""
+    """Start serving in a daemon thread (port 0: not at all). `ready()` returns `readiness(...)`.
+    A port that cannot be bound raises CannotServe, naming metrics.port."""
     if not port:
         return None
 
@@ -66,7 +69,12 @@ def serve(host: str, port: int, ready: Callable[[], tuple[str, Optional[str]]],
         def log_message(self, *args) -> None:   # probes every few seconds must not flood the log
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as err:   # a taken port stays taken: no restart can cure it
+        taken = "; another program holds it" if err.errno == errno.EADDRINUSE else ""
+        raise CannotServe(f"metrics.port: cannot listen on {host}:{port} ({err.strerror or err}){taken}: change "
+                          "metrics.port (0: no /metrics, /healthz, /readyz)") from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="probes", daemon=True).start()
     return server

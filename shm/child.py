@@ -3,25 +3,81 @@
 Each role's entry is `run_<role>_process(config, run, index)`, which calls `child_main` with a
 builder for its actor. The actor reports READY only once built (sockets bound, shm attached);
 an exception is reported to the supervisor (in-band death) before the process exits non-zero.
+An error that no restart can cure (`CannotServe`: a port another program holds, a key file that
+cannot be read) ends the process with EXIT_PERMANENT, and the supervisor ends the server instead of
+restarting it.
 SIGINT is ignored (the supervisor owns Ctrl-C); SIGTERM asks the actor to stop.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import zmq
 
 from shm.endpoints import RunSpec, make_socket
 from shm.codes import ProcState
 from shm.messages import Fatal, Ready, encode
+
+
+# The exit status of a child that died of an error no restart can cure (os.EX_CONFIG, sysexits.h): the
+# supervisor reads it off the process sentinel, so it holds even where the Fatal report came late.
+EXIT_PERMANENT = 78
+
+
+class CannotServe(Exception):
+    """No restart can cure this (a port another program holds, a key file that cannot be read): the
+    supervisor ends the whole server, non-zero, instead of restarting the child. The message names the
+    setting to change. A room that cannot import this one (config's key errors) marks its own
+    exception class `permanent = True` instead."""
+
+    permanent = True
+
+
+def _taken(errno_: Optional[int]) -> str:
+    return "; another program holds it" if errno_ == errno.EADDRINUSE else ""
+
+
+def bind_endpoint(sock: zmq.Socket, endpoint: str, setting: str) -> None:
+    """Bind a ZeroMQ socket to an endpoint that the config names (`setting`); failing is permanent."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as err:
+        raise CannotServe(f"{setting}: cannot bind {endpoint} ({zmq.strerror(err.errno)}){_taken(err.errno)}: "
+                          f"change {setting}") from None
+
+
+def listen_tcp(host: str, port: int, setting: str, fix: str = "") -> list[socket.socket]:
+    """Listening TCP sockets on host:port (one per address `host` resolves to, as asyncio's
+    create_server binds), bound now so that a taken port ends the start, whenever they are served;
+    failing is permanent. `fix` adds to the message, e.g. "(0: none)"."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+    except OSError as err:
+        for sock in sockets:
+            sock.close()
+        raise CannotServe(f"{setting}: cannot listen on {host}:{port} ({err.strerror or err}){_taken(err.errno)}: "
+                          f"change {setting}{' ' + fix if fix else ''}") from None
+    return sockets
 
 
 class Actor(Protocol):
@@ -78,7 +134,10 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
     faulthandler.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    supervisor = make_socket(ctx, zmq.PUSH, connect=run.endpoints.supervisor)
+    # NOTE: a context of its own, so that a dying child can wait for its Fatal report to leave
+    # (report_ctx.term()) without waiting on the sockets of a half-built actor.
+    report_ctx = zmq.Context()
+    supervisor = make_socket(report_ctx, zmq.PUSH, connect=run.endpoints.supervisor)
     actor = None
     try:
         actor = build(ctx)
@@ -88,16 +147,23 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
         actor.run()
     except BaseException as err:
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):
-            message = "".join(traceback.format_exception_only(type(err), err)).strip()
-            logging.getLogger(role).error("%s", traceback.format_exc())
+            permanent = bool(getattr(err, "permanent", False))
+            if permanent:   # the message says what to change; a traceback would bury it
+                message = str(err)
+                logging.getLogger(role).error("%s", message)
+            else:
+                message = "".join(traceback.format_exception_only(type(err), err)).strip()
+                logging.getLogger(role).error("%s", traceback.format_exc())
             supervisor.send(encode(Fatal(role=role, index=index, pid=os.getpid(), message=message)))
-            supervisor.close(linger=1000)  # NOTE: give the Fatal report time to leave
+            supervisor.close(linger=1000)
+            report_ctx.term()   # NOTE: returns once the report has left (or after the linger)
             # NOTE: exit now: sockets a half-built actor opened (e.g. through an asyncio shadow context)
             # are unknown to ctx.destroy(), whose term() would then wait for them forever.
             logging.shutdown()
-            os._exit(1)
+            os._exit(EXIT_PERMANENT if permanent else 1)
         raise
     finally:
         if actor is not None:
             actor.close()
         ctx.destroy(linger=0)
+        report_ctx.destroy(linger=0)
