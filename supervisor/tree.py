@@ -4,6 +4,12 @@ The supervisor alone creates and unlinks shared memory (in `finally`, so also wh
 segments of dead runs are swept at start. Death is detected twice: a child reports its exception
 (Fatal), and the supervisor polls every child's sentinel (SIGKILL, segfault). Either way the frontend
 is told at once, and it answers every request the dead process held with `unavailable`.
+
+A dead child is restarted, unless no restart can cure it: a child that exits EXIT_PERMANENT (a port
+another program holds, an unreadable key file: shm/child.py `CannotServe`) ends the whole server at
+once, and so does a role left with no process (each crashed supervisor.max_restarts times): the
+supervisor stops every child, removes the shared memory and exits non-zero, for systemd or
+Kubernetes to see, instead of staying up with nothing to serve.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Callable, Optional
 
 import zmq
 
-from config import Config
+from config import Config, resolve_path
 from cpu_actor.worker import run_cpu_process
 from frontend.server.process import run_frontend_process
 from config.geometry import MOUTH_BYTES, input_slot_bytes
@@ -29,6 +35,7 @@ from frontend.bridge.process import run_bridge_process
 from gpu_actor.discovery import dns_device
 from gpu_actor.remote import run_remote_worker_process
 from gpu_actor.worker import run_gpu_process
+from shm.child import EXIT_PERMANENT
 from shm.codes import ProcState
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode
@@ -52,6 +59,10 @@ def install_signal_handlers() -> threading.Event:
 
 class StartError(RuntimeError):
     """A child did not come up; the message names it and the cause."""
+
+
+class ServeError(RuntimeError):
+    """The server cannot go on (a permanent error, or a role out of restarts); the message says why."""
 
 
 @dataclass
@@ -102,6 +113,20 @@ def _local_devices(config: Config) -> list[str]:
     return [d for d in devices for _ in range(inf.workers_per_device)]
 
 
+def check_models_dir(config: Config) -> None:
+    """models_dir must be a directory this user can list: a wrong path would otherwise serve no model,
+    and no restart would cure it."""
+    if config.models_dir is None:
+        return
+    path = resolve_path(config, config.models_dir)
+    if not path.is_dir():
+        raise StartError(f"models_dir: {path} is not a directory; set models_dir to the directory of model "
+                         "directories (<models_dir>/<id>/model.onnx, frames/, crop_rects.json)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise StartError(f"models_dir: {path} cannot be read by this user (uid {os.getuid()}); fix its "
+                         "permissions or set models_dir")
+
+
 def _cuda_device_count() -> int:
     try:
         import cupy
@@ -140,6 +165,7 @@ class Supervisor:
 
     def _create_shared_memory(self) -> None:
         cfg = self.config
+        check_models_dir(cfg)
         swept = sweep_dead_runs(cfg.shm.prefix)
         if swept:
             log.warning("removed %d shared-memory segments of dead runs: %s", len(swept), ", ".join(swept[:5]))
@@ -182,7 +208,7 @@ class Supervisor:
         child.process = self._mp.Process(target=entry, args=(self.config, self.run, child.index),
                                          name=f"lsync-{child.name}", daemon=False)
         child.process.start()
-        child.state = ProcState.STARTING
+        child.state, child.last_error = ProcState.STARTING, ""
         self._event(child)
 
     def _event(self, child: Child) -> None:
@@ -244,14 +270,27 @@ class Supervisor:
             self._event(child)
         elif isinstance(msg, Fatal):
             child = self._find(msg.role, msg.index)
-            child.last_error = msg.message
+            if child.process is not None and child.process.pid == msg.pid:
+                child.last_error = msg.message
+
+    def _await_report(self, child: Child, wait_s: float = 1.0) -> None:
+        """A child that died of an exception sent its Fatal report first, but the sentinel can be seen
+        before the report is read: wait a moment for it, for the message it carries."""
+        deadline = time.monotonic() + wait_s
+        while not child.last_error and self.inbox.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+            self._on_message(decode(self.inbox.recv()))
 
     def _on_death(self, child: Child, starting: bool) -> None:
         child.process.join(1)
         code = child.process.exitcode
+        if code and code > 0:
+            self._await_report(child)
         why = child.last_error or (f"killed by signal {-code}" if code and code < 0 else f"exit code {code}")
         if starting:
             raise StartError(f"{child.name} died during start-up: {why}")
+        if code == EXIT_PERMANENT:   # no restart can cure it (shm/child.py CannotServe): end the server now
+            child.state = ProcState.FAILED
+            raise ServeError(f"{child.name} died of an error that no restart can cure: {why}")
         log.error("%s (pid %d) died: %s", child.name, child.process.pid, why)
         now = time.monotonic()
         window = self.config.supervisor.restart_window_s
@@ -261,6 +300,13 @@ class Supervisor:
             child.state = ProcState.FAILED
             log.error("%s crashed %d times within %gs (supervisor.max_restarts): not restarting it",
                       child.name, len(child.crash_times), window)
+            peers = [c for c in self.children if c.role == child.role]
+            if all(c.state is ProcState.FAILED for c in peers):
+                # NOTE: a role with a process left still serves (health: degraded); one with none left
+                # cannot, and only a restart of the whole server (systemd, Kubernetes) may cure it.
+                raise ServeError(f"every {child.role} process crashed more than supervisor.max_restarts "
+                                 f"({self.config.supervisor.max_restarts}) times within supervisor.restart_window_s "
+                                 f"({window:g}s); the last: {child.name}: {why}")
         else:
             child.state = ProcState.RESTARTING
             backoff = self.config.supervisor.restart_backoff_s * 2 ** (len(child.crash_times) - 1)
@@ -268,15 +314,20 @@ class Supervisor:
         self._event(child)
 
     def serve(self) -> int:
-        """Watch the children until SIGINT/SIGTERM; restart the dead ones."""
-        while not self.stop_requested.is_set():
-            self._poll(0.2)
-            now = time.monotonic()
-            for child in self.children:
-                if child.state == ProcState.RESTARTING and now >= child.restart_at:
-                    child.restarts += 1
-                    log.info("restarting %s (restart %d)", child.name, child.restarts)
-                    self._spawn(child)
+        """Watch the children until SIGINT/SIGTERM (exit status 0); restart the dead ones. 1: the server
+        cannot go on (a permanent error, or a role with no process left); the caller shuts down."""
+        try:
+            while not self.stop_requested.is_set():
+                self._poll(0.2)
+                now = time.monotonic()
+                for child in self.children:
+                    if child.state == ProcState.RESTARTING and now >= child.restart_at:
+                        child.restarts += 1
+                        log.info("restarting %s (restart %d)", child.name, child.restarts)
+                        self._spawn(child)
+        except ServeError as err:   # systemd, Kubernetes: a non-zero exit, to restart or report the server
+            log.error("cannot go on serving: %s", err)
+            return 1
         return 0
 
     def shutdown(self) -> None:
