@@ -7,9 +7,8 @@ import logging
 import os
 import sys
 
-import msgspec
-
-from config import ConfigError, load_config
+# NOTE: nothing heavy at the top: every child process, spawned, runs this module again (as __mp_main__)
+# before its own entry, so what is imported here is imported by every process of the server.
 
 
 def keys_main(argv: list[str]) -> int:
@@ -54,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="all: everything on this host (default); gpu: inference workers and the bridge that "
                              "edges connect to; edge: frontend and compositing, inference on bridge.hosts")
     args = parser.parse_args(argv)
+    from config import ConfigError, load_config
     logging.basicConfig(level=os.environ.get("LIPSYNC_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
     try:
@@ -65,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.check_config}: ok")
         return 0
 
-    from supervisor.demo import build_demo
     from supervisor.tree import StartError, Supervisor, install_signal_handlers
 
     stop = install_signal_handlers()
 
     if config.models_dir is None and not config.models and args.role == "all":
+        import msgspec
+        from supervisor.demo import build_demo   # NOTE: here: it imports OpenCV, which only the demo needs
         config = msgspec.structs.replace(config, models_dir=str(build_demo(config)))
     try:
         sup = Supervisor(config, args.role, stop)
