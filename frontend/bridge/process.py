@@ -33,7 +33,7 @@ from frontend import probes
 from frontend.core.request import Inputs, Kind, Request
 from frontend.core.scheduler import STATS_TIMEOUT_S, Fail, Scheduler, merge_model_stats
 from frontend.core.shell import Shell
-from shm.child import child_main
+from shm.child import bind_endpoint, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer, StatsQuery,
@@ -73,7 +73,7 @@ class BridgeServer(Shell):
                                  "(a GPU host with a secret key accepts only listed edges)")
             self.auth = start_authenticator(ctx, public_keys_in(b.authorized_keys, "bridge.authorized_keys"),
                                             f"bridge {b.bind}")
-        self.edges.bind(b.bind)
+        bind_endpoint(self.edges, b.bind, "bridge.bind")
         self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend)
         to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
         inputs = [SlotRing.attach(s) for s in run.input_rings]
