@@ -139,9 +139,12 @@ class LiveSession:
         return self._utterance
 
     def _end(self, k: int) -> None:
-        """The utterance ends at frame k (`last: true`): that frame says so."""
-        if k in self.speech:
-            self.speech[k].last = True
+        """The utterance ends at frame k (`last: true`): that frame says so, or the next frame to go out
+        when k went out already (its `last` came after its audio had played)."""
+        if k >= self.next_index:
+            self.speech.setdefault(k, Speech(0.0, utterance=self._utterance, tail=True)).last = True
+        elif self._utterance is not None:
+            self.speech.setdefault(self.next_index, Speech(0.0, utterance=self._utterance, tail=True)).last = True
         self._utterance = None
 
     def windows(self, audio: np.ndarray, now: float,
