@@ -139,6 +139,13 @@ def test_the_container_files_make_small_non_root_images(image):
     assert f'"/src[{image}]"' in build, "the image installs its own extra"
 
 
+def test_both_images_build_on_the_same_python_base():
+    """The GPU image's CUDA libraries come from the gpu extra's wheels, not a CUDA base (docs/deploy.md)."""
+    bases = {name: [ln for ln in path.read_text().splitlines() if ln.startswith(("ARG ", "FROM "))]
+             for name, path in IMAGES.items()}
+    assert bases["cpu"] == bases["gpu"], bases
+
+
 def _builder() -> list[str] | None:
     for tool in ("podman", "buildah"):
         if shutil.which(tool):
