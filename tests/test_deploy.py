@@ -1,7 +1,7 @@
 """deploy/: the Kubernetes manifests validate against the Kubernetes schemas (offline), hang together
 (volumes, Secrets, ports, the GPU hosts' Service name in the edge's config) and carry configs this
-server accepts; the container files build non-root, read-only-root images; and where a container
-builder can work here, both images build."""
+server accepts; the container files make non-root, read-only-root images; and the package they
+install serves outside the source tree. The images themselves, built and run: tests/test_images.py."""
 
 from __future__ import annotations
 
@@ -144,30 +144,6 @@ def test_both_images_build_on_the_same_python_base():
     bases = {name: [ln for ln in path.read_text().splitlines() if ln.startswith(("ARG ", "FROM "))]
              for name, path in IMAGES.items()}
     assert bases["cpu"] == bases["gpu"], bases
-
-
-def _builder() -> list[str] | None:
-    for tool in ("podman", "buildah"):
-        if shutil.which(tool):
-            return [tool, "bud"] if tool == "buildah" else [tool, "build"]
-    if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
-        return ["docker", "build"]
-    return None
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("image", sorted(IMAGES))
-def test_the_images_build_where_a_builder_can(image):
-    builder = _builder()
-    if builder is None:
-        pytest.skip("no container builder here: podman or buildah (Debian packages), or a running docker daemon")
-    base = next(ln.split("=", 1)[1] for ln in IMAGES[image].read_text().splitlines() if ln.startswith("ARG "))
-    pull = subprocess.run([builder[0], "pull", base], capture_output=True, text=True, timeout=600)
-    if pull.returncode:
-        pytest.skip(f"{builder[0]} cannot pull the base image {base} from here: {pull.stderr.strip()[-300:]}")
-    build = subprocess.run([*builder, "-f", str(IMAGES[image]), "-t", f"lipsync-serve:{image}-test", str(ROOT)],
-                           capture_output=True, text=True, timeout=3000)
-    assert build.returncode == 0, build.stderr[-3000:]
 
 
 @pytest.mark.slow
