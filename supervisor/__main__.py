@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="all: everything on this host (default); gpu: inference workers and the bridge that "
                              "edges connect to; edge: frontend and compositing, inference on bridge.hosts")
     args = parser.parse_args(argv)
+    # NOTE: before numpy is first imported, here and (inherited) in every child: OpenBLAS starts a thread
+    # per core at import, which spin for ~0.1 CPU-s in each process, and no process here multiplies
+    # matrices large enough to use them (onnxruntime and OpenCV keep thread pools of their own).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from config import ConfigError, load_config
     logging.basicConfig(level=os.environ.get("LIPSYNC_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
