@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,11 +17,12 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264", "startup"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
-    parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog bench")
+    parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog and startup benches")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
+    parser.add_argument("--runs", type=int, default=5, help="launches of the startup bench (the median is printed)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
     parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions bench")
@@ -53,6 +54,9 @@ def main() -> int:
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")
+    if args.what in ("all", "startup"):
+        from bench import startup
+        results["startup"] = startup.run(models_dir, args.runs, args.models)
     if args.what in ("all", "cpu"):
         from bench import cpu
         results["cpu"] = cpu.run(models_dir, args.seconds)
