@@ -105,7 +105,10 @@ def ensure_venv() -> None:
             _bootstrap_pip()
     pip = [str(PYTHON), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run(pip + ["--upgrade", "pip"], check=True)
-    subprocess.run(pip + ["-e", f"{ROOT}[{extras},test]"], check=True)
+    # NOTE: the frameworks' extras only beside the CPU onnxruntime: pipecat-ai requires onnxruntime,
+    # which would replace onnxruntime-gpu (the same module)
+    frameworks = ",pipecat,livekit" if extras == "cpu" else ""
+    subprocess.run(pip + ["-e", f"{ROOT}[{extras},test{frameworks}]"], check=True)
     STAMP.write_text(want)
 
 
