@@ -43,7 +43,7 @@ def _models(demo_dir: Path, root: Path) -> Path:
 
 
 async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int,
-                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg") -> dict:
+                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg", tts: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     mode = "pcm16" if pcm is not None else "window"
     received = [0, 0.0, 0.0]   # bytes, first and last arrival
@@ -59,7 +59,10 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
 
         reader = asyncio.create_task(drain())
         window = rng.standard_normal((1, 32, 16, 16)).astype(np.float32)
-        step = 1 / FPS if pcm is None else 0.02   # PCM goes in 20-ms chunks, one utterance per burst
+        # PCM goes in 20-ms chunks in real time, one utterance per burst; or, as a streaming TTS gives
+        # it (`tts`), in 200-ms chunks at twice real time
+        step = 1 / FPS if pcm is None else (0.1 if tts else 0.02)
+        chunk_samples = 3200 if tts else 320
         t0 = time.monotonic() + rng.uniform(0, step)
         speaking_until, tick, sent = 0.0, 0, 0
         next_burst = t0 + (rng.uniform(0, burst_s / duty) if duty else float("inf"))
@@ -72,7 +75,7 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
                 if pcm is None:
                     await s.send_audio(window)
                 elif sent < len(pcm):
-                    chunk = pcm[sent:sent + 320]
+                    chunk = pcm[sent:sent + chunk_samples]
                     sent += len(chunk)
                     ending = sent >= len(pcm) or now + step >= speaking_until
                     await s.send_audio(chunk, last=ending)
@@ -84,8 +87,9 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
         return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9)}
 
 
-async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg") -> list[dict]:
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt) for i in range(n)))
+async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",
+                 tts: bool = False) -> list[dict]:
+    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts) for i in range(n)))
 
 
 def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
@@ -117,23 +121,45 @@ def _cpu(pids: dict) -> dict:
     return {name: sum(psutil.Process(p).cpu_times()[:2]) for name, p in pids.items()}
 
 
-def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg") -> dict:
+def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False) -> dict:
     pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids["bench client"] = os.getpid()
     before, t0 = _cpu(pids), time.monotonic()
-    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt))
+    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts))
     wall = time.monotonic() - t0
     after = _cpu(pids)
     frames = sum(s["frames_speech"] + s["frames_idle"] for s in stats)
     late = sum(s["late"] for s in stats)
     p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
-    return {"sessions": n, "duty": duty, "pcm": pcm is not None, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
+    return {"sessions": n, "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
             "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
             "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
             "latency_p99_ms": max(p99) if p99 else None, "format": fmt,
             "kbit_s_per_session": 8 * sum(s["bytes_per_s"] for s in stats) / len(stats) / 1000,
             "encoded": sum(s.get("frames_encoded", 0) for s in stats),
+            "stages_ms": _stages(stats), "missed_in": _sum_counts(s.get("missed_in", {}) for s in stats),
+            "frontend_us_per_frame": 1e6 * (after["frontend0"] - before["frontend0"]) / max(frames, 1),
             "cpu_percent": {k: round(100 * (after[k] - before[k]) / wall) for k in pids}}
+
+
+def _stages(stats: list[dict]) -> dict:
+    """Each stage over all sessions: the median of their p50s, the largest of their p99s and maxima (a
+    session reports percentiles, not every frame: the p99 here is an upper bound of the pooled p99)."""
+    out = {}
+    for name in ("batching", "queue", "inference", "to_composite", "composite", "encode_wait", "encode", "hold"):
+        parts = [s["stages_ms"][name] for s in stats if name in s.get("stages_ms", {})]
+        if parts:
+            out[name] = {"p50": float(np.median([p["p50"] for p in parts])), "p99": max(p["p99"] for p in parts),
+                         "max": max(p["max"] for p in parts)}
+    return out
+
+
+def _sum_counts(dicts) -> dict:
+    total: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    return total
 
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
@@ -164,19 +190,26 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
                   f"({costs['mel_percent_of_realtime']:.2f}% of real time); encoder in the worker "
                   f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
             for n in pcm_speaking:
-                results.append(_run_level(srv, n, seconds, 0.27, speech))
-                _print(results[-1])
+                for tts in (False, True):
+                    results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts))
+                    _print(results[-1])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"levels": results}
 
 
 def _print(r: dict) -> None:
-    kind = ("speaking 27%" + (" (16 kHz PCM)" if r.get("pcm") else "")) if r["duty"] else "silent"
+    pcm = (" (16 kHz PCM, TTS-like: 200-ms chunks at 2x real time)" if r.get("tts") else
+           " (16 kHz PCM, 20-ms chunks in real time)") if r.get("pcm") else ""
+    kind = ("speaking 27%" + pcm) if r["duty"] else "silent"
     cpu = ", ".join(f"{k} {v}%" for k, v in r["cpu_percent"].items())
     print(f"  {r['sessions']:4d} sessions {kind}: {r['frames']} frames ({r['speech']} speech), "
           f"{100 * r['on_time']:.2f}% on time, late {r['late']} (max {r['max_late_ms']:.0f} ms), "
           f"missed {r['missed']}, dropped {r['dropped']}, speech latency p99 {r['latency_p99_ms']} ms, "
           f"{r['kbit_s_per_session']:.0f} kbit/s per session"
           + (f", {r['encoded']} frames encoded (the rest from the idle loop)" if r["format"] == "h264" else "") + "\n"
-          f"        CPU: {cpu}", flush=True)
+          f"        CPU: {cpu}; the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent", flush=True)
+    if r.get("stages_ms"):
+        print("        speech frame stages, ms p50/p99/max: " + ", ".join(
+            f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for name, v in r["stages_ms"].items())
+              + (f"; missed while in: {r['missed_in']}" if r.get("missed_in") else ""), flush=True)

@@ -144,6 +144,7 @@ class H264Config(_Section):
     preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium"] = "ultrafast"
     gop: Annotated[int, msgspec.Meta(ge=1, le=600)] = 50
     idle_loop: bool = True
+    loop_chunk: Annotated[int, msgspec.Meta(ge=1, le=600)] = 10
 
 
 class SessionsConfig(_Section):

@@ -12,6 +12,8 @@ without a copy and returns the slot with ReleaseImages once ZeroMQ is done with 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -49,8 +51,10 @@ class Compositor:
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
         self.images = SlotRing.attach(run.image_rings[index], populate=False)
         self.images.become_writer()
-        self.backlog: deque = deque()         # CompositeTask, RenderIdle
-        self.urgent: deque[EncodeFrames] = deque()
+        # CompositeTask, RenderIdle, EncodeFrames: the one due soonest first (a live frame's due time,
+        # else the deadline; in arrival order among equals, which keeps a session's encodes in order).
+        self.queue: list[tuple[float, int, object]] = []
+        self._arrivals = itertools.count()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
@@ -82,11 +86,12 @@ class Compositor:
     def run(self) -> None:
         handlers = {CompositeTask: self._composite, RenderIdle: self._render_idle, EncodeFrames: self._encode}
         while not self._stopping:
-            # Live frames first: an H.264 frame is due within a frame period, composites have the
-            # latency budget. An idle loop frame after each task: loops are short, and until one is
-            # whole its sessions encode every silent frame themselves.
-            if self.urgent or self.backlog:
-                task = (self.urgent or self.backlog).popleft()
+            # NOTE: every message waiting is taken before each task is chosen, so a live frame that
+            # came in meanwhile goes before work due later. An idle loop frame after each task: loops
+            # are short, and until one is whole its sessions encode every silent frame themselves.
+            if self.queue:
+                self._drain()
+                _, _, task = heapq.heappop(self.queue)
                 handlers[type(task)](task)
                 if self.loops:
                     self._loop_step()
@@ -107,10 +112,9 @@ class Compositor:
                 return
 
     def _dispatch(self, msg) -> None:
-        if isinstance(msg, EncodeFrames):
-            self.urgent.append(msg)
-        elif isinstance(msg, (CompositeTask, RenderIdle)):
-            self.backlog.append(msg)
+        if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
+            due = getattr(msg, "due", 0.0) or msg.deadline
+            heapq.heappush(self.queue, (due, next(self._arrivals), msg))
         elif isinstance(msg, EncodeLoop):
             self.loops.append((msg, None, []))
         elif isinstance(msg, CloseEncoder):

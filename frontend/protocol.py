@@ -215,6 +215,10 @@ class SessionStatsReply(msgspec.Struct, kw_only=True):
     max_late_ms: float
     latency_ms_p50: Optional[float]
     latency_ms_p99: Optional[float]
+    # Speech frames sent: ms in each stage ({"n", "p50", "p99", "max"}; docs/architecture.md), and the
+    # stage each missed speech frame was still in when it was due.
+    stages_ms: dict[str, dict[str, float]] = {}
+    missed_in: dict[str, int] = {}
 
 
 # -- pushes: messages a session sends without a request ------------------------------------------

@@ -5,7 +5,7 @@ output ring, messages); it copies each batch from its input slot into the socket
 tensors as raw frames, the deadline as the budget left), and the mouths from the socket into an output
 slot once. Heartbeats tell it when a host goes away (its requests then get `unavailable` from the
 frontend) and when it is back (used again, no restart of the edge). The GPU host's end is
-frontend/bridge.py. Everything the host sends is checked like a client request: a malformed or
+frontend/bridge/process.py. Everything the host sends is checked like a client request: a malformed or
 unexpected message is logged and dropped, never fatal.
 """
 

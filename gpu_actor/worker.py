@@ -21,6 +21,7 @@ import zmq
 from config import Config
 from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
+from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.registry import Registry
 from gpu_actor.runner import check_device, make_session
 from gpu_actor.visual import build_visual
@@ -66,7 +67,7 @@ class InferenceWorker:
         self._encoders: dict[Path, tuple] = {}   # audio encoder file -> (session, input name)
         self._features_cache: OrderedDict[tuple, np.ndarray] = OrderedDict()   # (utterance, input) -> [512]
         max_batch = config.limits.max_batch
-        self._visual = np.empty((max_batch, 6, 320, 320), np.float32)  # audio-only inputs are built here
+        self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
         self.poller = zmq.Poller()
         self.poller.register(self.tasks, zmq.POLLIN)
@@ -210,7 +211,7 @@ class InferenceWorker:
             self._done(task, "timeout", str(err))
             return
         try:
-            out = self.outputs.writable(slot, 0, "float32", (task.batch, 3, 320, 320))
+            out = self.outputs.writable(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
             t_input = time.perf_counter()
             visual = self._visual_input(task)
             t_audio = time.perf_counter()
@@ -240,7 +241,7 @@ class InferenceWorker:
             return
         self.registry.touch(task.model, task.batch)
         self.registry.stat(task.model).infer_ms.append(inference_ms)
-        ref = self.outputs.ref(slot, 0, "float32", (task.batch, 3, 320, 320))
+        ref = self.outputs.ref(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
         self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms,
                    input_ms=built * 1000)
         hand_off(self.to_cpu, task, self.index, ref)
@@ -319,7 +320,7 @@ def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: Ten
         to_cpu[chunk.compositor].send(encode(CompositeTask(
             req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
             frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-            deadline=task.deadline, version=task.version)))
+            deadline=task.deadline, version=task.version, due=task.due)))
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

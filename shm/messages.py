@@ -54,6 +54,7 @@ class InferTask(_Msg):
                                              # outputs at rows[i] (-1: zeros); a pcm16 session's speech
     utterance: str = ""              # ... whose inputs are numbers first_input .. +J-1 of this utterance:
     first_input: int = 0             # the worker encodes each (utterance, number) once and keeps it
+    due: float = 0.0                 # when its first frame must go out (a live session's); 0: at its deadline
 
 
 class ReleaseTask(_Msg):
@@ -116,6 +117,7 @@ class CompositeTask(_Msg):
     quality: int
     deadline: float
     version: int = 0
+    due: float = 0.0                 # InferTask.due: compositors take the task due soonest first
 
 
 class RenderIdle(_Msg):
@@ -129,6 +131,7 @@ class RenderIdle(_Msg):
     quality: int
     deadline: float
     version: int = 0
+    due: float = 0.0                 # when the first of them must go out (compositors: due soonest first)
 
 
 class H264Settings(msgspec.Struct, array_like=True, frozen=True):
@@ -158,6 +161,7 @@ class EncodeFrames(_Msg):
     settings: H264Settings
     items: list[EncodeItem]
     deadline: float
+    due: float = 0.0                 # when its first frame must go out
 
 
 class EncodeLoop(_Msg):

@@ -296,3 +296,37 @@ def test_a_gpu_host_drains_on_sigterm(tmp_path, models, keys):
                 header, images = result
                 assert header["ok"] and len(images) == 8
         assert any(not isinstance(r, Exception) for r in results), f"nothing in flight was finished: {results}"
+
+
+def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, keys):
+    """A GPU host that holds one model at a time: while an edge's live session is open on `a`, loading
+    `b` there does not evict `a` (the session's speech would wait for a reload); once it closes, it may."""
+    from frontend.client import Session
+    port = free_port()
+    host_cfg = gpu_config(models, keys, port)
+    host_cfg["inference"]["max_models_per_worker"] = 1
+    with gpu_host(tmp_path, host_cfg), \
+            run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
+        _remote_ready(c)
+
+        def loaded_on_host() -> set:
+            return set(c.stats()["workers"][0]["loaded"])
+
+        with Session(edge.endpoint, "a") as s:
+            deadline = time.monotonic() + 30
+            while "a" not in loaded_on_host():   # the session loads its model at open
+                assert time.monotonic() < deadline, "the session's model was never loaded on the GPU host"
+                time.sleep(0.2)
+            header, _ = c.composite("b", AUDIO)
+            assert header["ok"]
+            assert "a" in loaded_on_host(), "the GPU host evicted a live session's model"
+            s.send_audio(np.zeros((3, 32, 16, 16), np.float32))
+        deadline = time.monotonic() + 30
+        while True:   # the pin is gone with the session: the next load of b may evict a
+            c.composite("b", AUDIO)
+            c.unload("b")
+            c.composite("b", AUDIO)
+            if "a" not in loaded_on_host():
+                break
+            assert time.monotonic() < deadline, "the closed session's pin was never released on the GPU host"
+            time.sleep(0.2)

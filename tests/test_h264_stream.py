@@ -20,7 +20,7 @@ def decide(stream: H264Stream, k: int, kind: str = "idle", loop: bool = True):
 
 
 def test_silence_joins_the_loop_only_at_a_chunk_start_and_speech_leaves_it_with_an_idr():
-    stream = H264Stream(compositor=0, start_frame=1, period=PERIOD, gop=GOP)
+    stream = H264Stream(compositor=0, start_frame=1, period=PERIOD, chunk=GOP)
     first = decide(stream, 0)                  # position 1: not a chunk start, the encoder starts (IDR)
     assert first is not None and first.idr and first.box == b""
     assert not decide(stream, 1).idr           # position 2
@@ -37,7 +37,7 @@ def test_silence_joins_the_loop_only_at_a_chunk_start_and_speech_leaves_it_with_
 
 
 def test_without_the_loop_every_frame_is_encoded_and_a_loss_forces_an_idr():
-    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, gop=GOP)
+    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, chunk=GOP)
     assert decide(stream, 0, loop=False).idr
     assert [decide(stream, k, loop=False).idr for k in range(1, 6)] == [False] * 5
     stream.lost(5)
@@ -48,7 +48,7 @@ def test_without_the_loop_every_frame_is_encoded_and_a_loss_forces_an_idr():
 
 
 def test_units_leave_in_order_when_due_and_lost_ones_are_skipped():
-    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, gop=GOP)
+    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, chunk=GOP)
     for k in range(4):
         decide(stream, k, loop=False)
     stream.encoded(0, b"a0")
@@ -67,7 +67,7 @@ def test_units_leave_in_order_when_due_and_lost_ones_are_skipped():
 
 
 def test_after_a_loss_nothing_goes_out_until_an_idr():
-    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, gop=GOP)
+    stream = H264Stream(compositor=0, start_frame=0, period=PERIOD, chunk=GOP)
     for k in range(3):   # decided before the loss was known: P-frames referring to frame 0
         decide(stream, k, loop=False)
     stream.lost(0)

@@ -33,7 +33,7 @@ from frontend import probes
 from frontend.core.request import Inputs, Kind, Request
 from frontend.core.scheduler import STATS_TIMEOUT_S, Fail, Scheduler, merge_model_stats
 from frontend.core.shell import Shell
-from shm.child import bind_endpoint, child_main
+from shm.child import CannotServe, bind_endpoint, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer, StatsQuery,
@@ -45,6 +45,7 @@ FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery)
 # NOTE: below the edge's own wait (the engine's STATS_TIMEOUT_S), so that the edge gets this host's partial answer
 STATS_WAIT_S = 0.75 * STATS_TIMEOUT_S
 POLL_MS = 500
+EDGE_GONE_S = 30.0   # an edge silent this long (it pings every bridge.heartbeat_s) has gone: its pins go
 
 
 @dataclass
@@ -69,8 +70,8 @@ class BridgeServer(Shell):
         if b.secret_key:
             make_server(self.edges, b.secret_key, "bridge.secret_key")
             if not b.authorized_keys:
-                raise ValueError("bridge.authorized_keys: set it to a directory of edge public keys "
-                                 "(a GPU host with a secret key accepts only listed edges)")
+                raise CannotServe("bridge.authorized_keys: set it to a directory of edge public keys "
+                                  "(a GPU host with a secret key accepts only listed edges)")
             self.auth = start_authenticator(ctx, public_keys_in(b.authorized_keys, "bridge.authorized_keys"),
                                             f"bridge {b.bind}")
         bind_endpoint(self.edges, b.bind, "bridge.bind")
@@ -83,6 +84,8 @@ class BridgeServer(Shell):
         engine = Scheduler(list(run.devices), 0, config.shm.slots, config.limits.queue_depth,
                            config.frontend.routing, STATS_WAIT_S)
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
+        self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
+        self._edges_seen: dict[bytes, float] = {}
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
         self._stopping = False
         probes.serve(config.metrics.host, config.metrics.port, self.readiness)
@@ -118,7 +121,10 @@ class BridgeServer(Shell):
             if events.get(self.pull):
                 while self.pull.poll(0):
                     self._from_worker(decode(self.pull.recv_multipart(copy=False)[0].buffer))
-            self.apply(self.engine.tick(time.monotonic()))
+            now = time.monotonic()
+            self.apply(self.engine.tick(now))
+            if self._pins:
+                self._release_gone_edges(now)
 
     # -- edges ----------------------------------------------------------------------------------
 
@@ -136,12 +142,16 @@ class BridgeServer(Shell):
         except (BridgeError, msgspec.DecodeError, msgspec.ValidationError) as err:
             log.warning("dropped a malformed message from an edge: %s", err)
             return
+        self._edges_seen[identity] = time.monotonic()
         if isinstance(msg, Ping):
             # NOTE: still the workers' own state while draining: a host that says none is ready has
             # its edges fail the work in flight on it, which draining is there to finish.
             loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
             self._send(identity, Pong(sent=msg.sent, loaded=loaded,
                                       workers_ready=sum(w.ready for w in self.engine.workers)))
+            return
+        if isinstance(msg, LoadModel) and msg.pin < 0:   # an edge's session closed (no answer)
+            self._unpin(identity, msg.model)
             return
         call = EdgeCall(identity, msg.req, msg)
         if self.draining:
@@ -162,8 +172,8 @@ class BridgeServer(Shell):
             raise BridgeError(f"model id {model[:80]!r} is not valid")
         now = time.monotonic()
         deadline = now + self.config.limits.request_timeout_s
-        if isinstance(msg, LoadModel):
-            return Request(Kind.LOAD, model, deadline=deadline, data=call)
+        if isinstance(msg, LoadModel):   # pin +1: an edge's live session keeps the model on one worker
+            return Request(Kind.LOAD, model, deadline=deadline, data=call, pin=1 if msg.pin > 0 else 0)
         if isinstance(msg, UnloadModel):
             return Request(Kind.UNLOAD, model, deadline=deadline, data=call)
         if isinstance(msg, StatsQuery):
@@ -248,8 +258,29 @@ class BridgeServer(Shell):
                 models=merge_model_stats(answers), loaded=sorted({m for a in answers for m in a.loaded}),
                 queue=sum(a.queue for a in answers) + sum(len(w.queue) for w in self.engine.workers)))
         else:
+            if r.kind is Kind.LOAD and r.pin and r.results:
+                self._pins.setdefault((call.identity, r.model), []).append(r.results[0].worker)
             self._send(call.identity, LoadDone(req=call.edge_req, worker=0, model=r.model, ok=True,
                                                load_ms=max((a.load_ms for a in r.results), default=0.0)))
+
+    # -- live sessions' pins --------------------------------------------------------------------
+
+    def _unpin(self, identity: bytes, model: str) -> None:
+        workers = self._pins.get((identity, model))
+        if workers:
+            self.apply(self.engine.unpin(workers.pop(), model))
+            if not workers:
+                del self._pins[(identity, model)]
+
+    def _release_gone_edges(self, now: float) -> None:
+        """Pins of an edge not heard from in EDGE_GONE_S (it pings every bridge.heartbeat_s): its
+        sessions are gone with it, so their models may be evicted again."""
+        for identity in {i for i, _ in self._pins}:
+            if now - self._edges_seen.get(identity, 0.0) > EDGE_GONE_S:
+                for key in [k for k in self._pins if k[0] == identity]:
+                    while key in self._pins:
+                        self._unpin(*key)
+                log.info("released the pins of an edge not heard from in %g s", EDGE_GONE_S)
 
 
 def run_bridge_process(config: Config, run: RunSpec, index: int = 0) -> None:

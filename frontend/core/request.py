@@ -45,6 +45,7 @@ class Inputs:
     format: str = ""               # composite: the compositors' output format and quality
     quality: int = 0
     enqueued: float = 0.0          # time.monotonic() when it arrived
+    due: float = 0.0               # a live session's speech: when its first frame must go out (0: none)
 
     def arrays(self, batch: int) -> tuple[Optional[np.ndarray], np.ndarray, Optional[tuple[int, ...]]]:
         """(visual, audio, the shape to broadcast audio to) as the input slot takes them."""
@@ -97,6 +98,7 @@ class Request:
     waiting_on: set[int] = field(default_factory=set)           # workers a gathering op waits for
     results: list = field(default_factory=list)                 # their answers
     timing: dict[str, float] = field(default_factory=dict)
+    answered: dict[str, float] = field(default_factory=dict)   # when the shell received each answer (live stages)
     output: Any = None                    # InferDone.output (a TensorRef) of an `infer`
     size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
     gather_deadline: float = float("inf")

@@ -289,7 +289,9 @@ class Scheduler:
         if not worker.ready:
             return actions
         no_compositor = []
-        for r in list(worker.queue):
+        # NOTE: the request due soonest first (a live session's speech before batch work, whose deadline
+        # is its timeout); requests due at the same time keep their order.
+        for r in sorted(worker.queue, key=_due):
             if worker.free_slots == 0:
                 break
             if r.model not in worker.models:
@@ -534,6 +536,10 @@ class Scheduler:
 
     def synced(self) -> bool:
         return all(p.pid is not None for p in [*self.workers, *self.compositors])
+
+
+def _due(r: Request) -> float:
+    return r.inputs.due if r.inputs is not None and r.inputs.due else r.deadline
 
 
 def merge_model_stats(reports: list[StatsReport]) -> dict[str, dict[str, float]]:

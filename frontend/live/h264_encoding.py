@@ -29,9 +29,10 @@ LOOP_TIMEOUT_S = 120.0
 
 @dataclass
 class EncodeJob:
-    """An engine `idle` request's own data: a session's frames for its encoder."""
+    """An engine `render` request's own data: a session's frames for its encoder."""
     token: str
     message: EncodeFrames
+    decided: float = 0.0      # when its frames were decided (time.monotonic())
 
 
 @dataclass
@@ -54,6 +55,7 @@ class H264Sessions:
                  send: Callable[..., bool], arm: Callable[[], None]):
         self.host, self.cfg, self.table, self.idle, self.metrics = host, cfg, table, idle, metrics
         self._send, self._arm = send, arm
+        self._skipped = metrics.session_frames.labels("skipped")
 
     def settings(self, session: LiveSession) -> H264Settings:
         return H264Settings(fps=session.fps, bitrate=self.cfg.bitrate, preset=self.cfg.preset, gop=self.cfg.gop)
@@ -63,7 +65,7 @@ class H264Sessions:
     def open(self, session: LiveSession) -> None:
         spec = session.data.spec
         period = spec.frames * (2 if spec.order == "mirror" else 1)
-        session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.gop)
+        session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.loop_chunk)
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
         # The latency budget holds from audio to frame: speech is decided that much before due.
         session.lead = max(1, session.lead - ENCODE_AHEAD_FRAMES)
@@ -90,7 +92,7 @@ class H264Sessions:
 
     def _loop_key(self, session: LiveSession, start: int) -> tuple:
         spec = session.data.spec
-        return ("h264-loop", spec.id, spec.version, self.settings(session), start)
+        return ("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, start)
 
     def prefetch(self, session: LiveSession) -> None:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""
@@ -98,12 +100,12 @@ class H264Sessions:
             return
         stream, spec = session.h264, session.data.spec
         cache = self.idle
-        for start in range(0, stream.period, stream.gop):
+        for start in range(0, stream.period, stream.chunk):
             key = self._loop_key(session, start)
             if key in cache.rendering or cache.get(key) is not None:
                 continue
             cache.rendering.add(key)
-            positions = range(start, min(start + stream.gop, stream.period))
+            positions = range(start, min(start + stream.chunk, stream.period))
             message = EncodeLoop(req=0, model=spec.id, version=spec.version, settings=self.settings(session),
                                  frames=[frame_index(p, spec.frames, spec.order) for p in positions],
                                  deadline=time.monotonic() + LOOP_TIMEOUT_S)
@@ -139,8 +141,9 @@ class H264Sessions:
         spec = session.data.spec
         deadline = session.due(items[-1].index) + ENCODE_GRACE_S
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
-                               settings=self.settings(session), items=items, deadline=deadline)
-        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message),
+                               settings=self.settings(session), items=items, deadline=deadline,
+                               due=session.due(items[0].index))
+        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message, time.monotonic()),
                           compositor=stream.compositor)
         self.host.submit(request)
 
@@ -149,7 +152,7 @@ class H264Sessions:
         for unit in session.h264.sendable(now):
             if unit.lost:
                 session.stats.dropped += 1
-                self.metrics.session_frames.labels("skipped").inc()
+                self._skipped.inc()
                 continue
             unit.frame.image = unit.au
             if not self._send(session, unit.frame, now, keyframe=unit.keyframe):
@@ -175,9 +178,15 @@ class H264Sessions:
         session = self.table.get(r.data.token)
         if session is None:
             return
+        now = time.monotonic()
+        encode_ms = r.timing.get("composite_ms", 0.0)
+        waited = max((r.answered.get("composite", now) - r.data.decided) * 1000 - encode_ms, 0.0)
         for item, au in zip(r.data.message.items, units):
-            session.h264.encoded(item.index, au)
-        self.flush(session, time.monotonic())
+            unit = session.h264.encoded(item.index, au)
+            if unit is not None and unit.frame.kind == "speech":
+                unit.frame.stages = {**(unit.frame.stages or {}), "encode_wait": waited, "encode": encode_ms}
+                unit.frame.ready_at = now
+        self.flush(session, now)
 
     def failed(self, r: Request, message: str) -> None:
         if isinstance(r.data, LoopJob):

@@ -7,9 +7,9 @@ libx264 encoder; each access unit goes out when its frame is due, never before t
 
 Silence costs nearly nothing: the avatar's idle loop (its background frames in stream order, 2n
 frames for `mirror`, n for `loop`) is encoded once per avatar and encoder settings, in chunks of
-`gop` frames that each start with an IDR. A silent session joins the loop at the next chunk start
-(until then its own encoder encodes the background) and from there sends the loop's access units
-as they are. Its next speech frame, or a keyframe request, starts a new GOP of its own encoder with
+`chunk` frames (sessions.h264.loop_chunk) that each start with an IDR. A silent session joins the loop
+at the next chunk start (until then its own encoder encodes the background: at most chunk - 1
+frames after an utterance) and from there sends the loop's access units as they are. Its next speech frame, or a keyframe request, starts a new GOP of its own encoder with
 an IDR, since the decoder's last pictures are then the loop's, not the encoder's.
 """
 
@@ -44,9 +44,9 @@ class Encode:
 class H264Stream:
     """One session's encoded stream."""
 
-    def __init__(self, compositor: int, start_frame: int, period: int, gop: int):
+    def __init__(self, compositor: int, start_frame: int, period: int, chunk: int):
         self.compositor = compositor
-        self.start_frame, self.period, self.gop = start_frame, period, gop
+        self.start_frame, self.period, self.chunk = start_frame, period, chunk
         self.need_idr = True       # the next frame must be an IDR (first frame, keyframe request, a loss)
         self.in_loop = False       # the decoder's pictures are the idle loop's
         self.broken = False        # a frame was lost: nothing goes out until the next IDR
@@ -56,7 +56,7 @@ class H264Stream:
     def chunk_of(self, k: int) -> tuple[int, int]:
         """(loop chunk start, offset in it) of frame k."""
         p = (self.start_frame + k) % self.period
-        return p - p % self.gop, p % self.gop
+        return p - p % self.chunk, p % self.chunk
 
     def decide(self, frame: Outgoing, chunk: Optional[list[bytes]]) -> Optional[Encode]:
         """Frame `frame` (decided by the session's timeline) with `chunk`, the loop chunk it falls in

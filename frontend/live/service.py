@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 PREFETCH_S = 2.0          # idle frames kept ready this far ahead of each session
 RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
+PACER_SLACK_S = 0.004      # frames due this soon go out with the frames due now (one tick for many sessions)
 MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
 BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
@@ -50,6 +51,7 @@ class IdleRender:
     frames: list[int]
     format: str
     quality: int
+    due: float = 0.0   # when the first of them must go out
 
 
 @dataclass
@@ -66,17 +68,31 @@ class Speech:
     format: str
 
 
+def speech_stages(timing: dict, answered: dict) -> dict:
+    """A composited batch's stages after its batch was formed, in ms (timeline.STAGES), from the
+    worker's and the compositors' own timings and when the host received their answers."""
+    composite_ms = timing.get("composite_ms", 0.0)
+    handed = (answered.get("composite", 0.0) - answered.get("infer", 0.0)) * 1000 - composite_ms
+    return {"queue": timing.get("queue_ms", 0.0), "inference": timing.get("inference_ms", 0.0),
+            "to_composite": max(handed, 0.0), "composite": composite_ms}
+
+
 class Live:
-    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None):
+    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, viewer_coming: bool = False):
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
+        self.viewer_coming = viewer_coming   # a viewer is starting (attach_viewer)
         self.cfg = config.sessions
+        # NOTE: the label lookup once, not per frame sent
+        self._counted = {kind: metrics.session_frames.labels(kind)
+                         for kind in ("speech", "idle", "missed", "dropped", "skipped")}
+        self._lateness = metrics.session_lateness
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self.pacer = Alarm(self._tick)   # rings when the earliest session frame is due
         self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm)
         if viewer is not None:
-            viewer.keyframe = self.request_keyframe
+            self.attach_viewer(viewer)
         # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
         # quality) for windows, by session token for pcm16 sessions.
         self._pending: dict = {}
@@ -131,6 +147,9 @@ class Live:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.format: h264 needs even frame sizes; model {spec.id}'s "
                                f"frames are {spec.width}x{spec.height}", header.id)
         if header.webrtc and self.viewer is None:
+            if self.viewer_coming:
+                raise RequestError(ErrorCode.UNAVAILABLE, "header.webrtc: the WebRTC viewer is starting; retry in a "
+                                   "moment", header.id)
             raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
                                "or its role is gpu)", header.id)
         rate = header.sample_rate or SAMPLE_RATE
@@ -235,9 +254,10 @@ class Live:
         backgrounds = [session.background(k) for k in frames]
         work = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(inputs, "<f4").tobytes(), "encoder",
                       rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt, quality=quality,
-                      enqueued=time.monotonic())
+                      enqueued=time.monotonic(), due=session.due(frames[0]))
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
                           data=Speech([(session.token, k) for k in frames], fmt), inputs=work)
+        session.submitted(frames, work.enqueued)
         self.host.submit(request)
 
     def _infer(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
@@ -279,9 +299,12 @@ class Live:
         spec = self.table.get(items[0][0]).data.spec
         audio = np.ascontiguousarray(np.stack([w for *_, w in items]), "<f4")
         work = Inputs(model, version, [b for _, _, b, _, _ in items], audio.tobytes(), "windows",
-                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=time.monotonic())
+                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=time.monotonic(),
+                      due=min(due for *_, due, _ in items))
         request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for *_, due, _ in items),
                           data=Speech([(token, k) for token, k, *_ in items], fmt), inputs=work)
+        for token, k, *_ in items:
+            self.table.get(token).submitted([k], work.enqueued)
         self.host.submit(request)
 
     def _close(self, session: LiveSession) -> None:
@@ -298,6 +321,11 @@ class Live:
         self.table.pop(session.token)
         self.queued.closed(session.token)
         self.metrics.sessions_open.set(len(self.table))
+
+    def attach_viewer(self, viewer: Any) -> None:
+        """The WebRTC viewer, once it runs (its host starts it after the first clients are served)."""
+        self.viewer, self.viewer_coming = viewer, False
+        viewer.keyframe = self.request_keyframe
 
     def request_keyframe(self, token: str) -> None:
         """The viewer asks for an IDR (a new browser, or one that lost a picture)."""
@@ -321,7 +349,7 @@ class Live:
         if not isinstance(render, IdleRender):
             return self.h264.render_message(r)
         return RenderIdle(req=r.req, model=render.model, frames=render.frames, format=render.format,
-                          quality=render.quality, deadline=r.deadline, version=render.version)
+                          quality=render.quality, deadline=r.deadline, version=render.version, due=render.due)
 
     def done(self, r: Request) -> None:
         if r.kind is Kind.RENDER:
@@ -352,10 +380,12 @@ class Live:
             self.host.free_images(r.req, r.image_slots)
         elif r.data.format == "i420":   # H.264 face boxes: they go on to the session's encoder
             images = [frame_bytes(img) for img in images]
+        now = time.monotonic()
+        stages = speech_stages(r.timing, r.answered)
         for (token, k), image in zip(r.data.targets, images):
             session = self.table.get(token)
             if session is not None:
-                session.ready([k], [image])
+                session.ready([k], [image], stages, now)
 
     def speech_failed(self, r: Request, message: str) -> None:
         for token, k in r.data.targets:
@@ -393,17 +423,23 @@ class Live:
         if session.h264 is not None:
             self.h264.prefetch(session)
             return
+        needed: dict[int, float] = {}   # background -> when it is first due
+        for k in range(session.next_index, session.next_index + math.ceil(PREFETCH_S * session.fps)):
+            needed.setdefault(session.background(k), session.due(k))
         missing = []
-        for background in session.upcoming(math.ceil(PREFETCH_S * session.fps)):
+        for background, due in needed.items():
             key = self._key(session, background)
             if key not in self.idle.rendering and self.idle.get(key) is None:
-                missing.append((key, background))
+                missing.append((key, background, due))
+        missing.sort(key=lambda m: m[2])
         for i in range(0, len(missing), RENDER_BATCH):
             part = missing[i:i + RENDER_BATCH]
-            keys = [k for k, _ in part]
+            keys = [k for k, _, _ in part]
             self.idle.rendering.update(keys)
             spec, fmt, quality = session.data.spec, keys[0][3], keys[0][4]
-            render = IdleRender(keys, spec.id, spec.version, [b for _, b in part], fmt, quality)
+            # NOTE: due when the session needs the first of them: compositors take it in turn with
+            # speech, never starved behind it
+            render = IdleRender(keys, spec.id, spec.version, [b for _, b, _ in part], fmt, quality, part[0][2])
             request = Request(Kind.RENDER, spec.id, len(part), deadline=time.monotonic() + RENDER_TIMEOUT_S,
                               data=render)
             self.host.submit(request)
@@ -412,12 +448,16 @@ class Live:
         self.pacer.arm(self.table.next_due())
 
     def _tick(self) -> None:
+        # NOTE: every session due within PACER_SLACK_S goes now, in one pass: one timer per tick
+        # instead of one per session and frame (sessions' frame times are staggered), at the price of
+        # frames leaving up to PACER_SLACK_S early.
         now = time.monotonic()
-        for session in self.table.due(now):
+        horizon = now + PACER_SLACK_S
+        for session in self.table.due(horizon):
             if session.h264 is not None:
-                self.h264.tick(session, now)
+                self.h264.tick(session, horizon)
             else:
-                for frame in session.advance(now):
+                for frame in session.advance(horizon):
                     self.send(session, frame, now)
             if session.next_index % max(int(session.fps // 2), 1) == 0:
                 self._prefetch(session)
@@ -431,10 +471,10 @@ class Live:
             image = self.idle.get(self._key(session, frame.background))
             if image is None:   # not encoded yet (a cold start): repeat the last frame sent
                 image = session.last_image
-        metrics = self.metrics
+        counted = self._counted
         if image is None:
             session.stats.dropped += 1
-            metrics.session_frames.labels("skipped").inc()
+            counted["skipped"].inc()
             return False
         audio = None
         if session.audio_mode == "pcm16":   # every frame carries its 40 ms of audio: silence when idle
@@ -451,12 +491,12 @@ class Live:
             if entry is None or not self.host.send(session.data.reply_to, header,
                                                   [image] if audio is None else [image, audio], also=entry):
                 session.stats.dropped += 1
-                metrics.session_frames.labels("dropped").inc()
+                counted["dropped"].inc()
                 return False
         session.last_image = image
         session.sent(frame, now)
-        metrics.session_frames.labels(frame.kind).inc()
-        metrics.session_lateness.observe(max((now - frame.due) * 1000, 0.0))
-        if frame.kind == "idle" and frame.missed:
-            metrics.session_frames.labels("missed").inc()
+        counted[frame.kind].inc()
+        self._lateness.observe(max((now - frame.due) * 1000, 0.0))
+        if frame.missed:
+            counted["missed"].inc()
         return True

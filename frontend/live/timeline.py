@@ -45,6 +45,8 @@ class Outgoing:
     missed: bool = False               # idle where speech was placed (late, or its inference failed)
     utterance: Optional[int] = None    # the utterance whose speech (or audio) this frame carries
     last: bool = False                 # ... and its last frame (its last samples, or where an interrupt cut it)
+    stages: Optional[dict] = None      # speech: ms spent in each stage before it was ready (Speech.stages)
+    ready_at: float = 0.0              # speech: when it was ready to go (composited, or encoded)
 
 
 @dataclass
@@ -57,6 +59,11 @@ class Stats:
     encoded: int = 0              # h264: frames the session's own encoder encoded (the rest: its avatar's idle loop)
     max_late_ms: float = 0.0
     latency_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
+    stages_ms: dict = field(default_factory=dict)    # stage -> its ms for each speech frame sent (STAGES)
+    missed_in: dict = field(default_factory=dict)    # stage a missed speech frame was still in when due
+
+    def stage(self, name: str, ms: float) -> None:
+        self.stages_ms.setdefault(name, deque(maxlen=4096)).append(ms)
 
     def as_dict(self) -> dict:
         lat = np.asarray(self.latency_ms) if self.latency_ms else None
@@ -64,7 +71,26 @@ class Stats:
                 "dropped": self.dropped, "late": self.late, "frames_encoded": self.encoded,
                 "max_late_ms": round(self.max_late_ms, 1),
                 "latency_ms_p50": round(float(np.percentile(lat, 50)), 1) if lat is not None else None,
-                "latency_ms_p99": round(float(np.percentile(lat, 99)), 1) if lat is not None else None}
+                "latency_ms_p99": round(float(np.percentile(lat, 99)), 1) if lat is not None else None,
+                "stages_ms": {name: _summary(values) for name, values in self.stages_ms.items()},
+                "missed_in": dict(self.missed_in)}
+
+
+# A speech frame's life, stage by stage (docs/architecture.md, "Where a live frame's time goes"):
+STAGES = ("batching",       # its audio arrived -> its batch was formed (look-ahead, batch wait)
+          "queue",          # batch formed -> inference started (engine and worker queues)
+          "inference",      # inference, input building included
+          "to_composite",   # inference ended -> compositing started (hand-off, compositor queue)
+          "composite",      # paste + encode (JPEG, PNG, raw) or the H.264 face box
+          "encode_wait",    # h264: decided -> its encode started (the session's compositor queue)
+          "encode",         # h264: the session's encoder
+          "hold")           # ready -> sent (waiting until due: slack, not delay)
+
+
+def _summary(values) -> dict:
+    a = np.asarray(values, np.float64)
+    return {"n": len(a), "p50": round(float(np.percentile(a, 50)), 1), "p99": round(float(np.percentile(a, 99)), 1),
+            "max": round(float(a.max()), 1)}
 
 
 @dataclass
@@ -76,6 +102,15 @@ class Speech:
     utterance: Optional[int] = None
     last: bool = False                  # the utterance's last frame
     tail: bool = False                  # audio only: no image is made for it (goes out idle, not missed)
+    submitted: Optional[float] = None   # its batch was formed (handed to the engine)
+    stages: Optional[dict] = None       # ms per stage up to composited (STAGES)
+    ready_at: float = 0.0
+
+    def where(self) -> str:
+        """The stage it is in now (for a frame missed: where it was when due)."""
+        if self.failed:
+            return "failed"
+        return "batching" if self.submitted is None else "inference+composite"
 
 
 class LiveSession:
@@ -258,11 +293,20 @@ class LiveSession:
 
     # -- results and pacing ----------------------------------------------------------------------
 
-    def ready(self, frames: list[int], images: list) -> None:
+    def submitted(self, frames: list[int], now: float) -> None:
+        for k in frames:
+            speech = self.speech.get(k)
+            if speech is not None:
+                speech.submitted = now
+
+    def ready(self, frames: list[int], images: list, stages: Optional[dict] = None, now: float = 0.0) -> None:
+        """Composited. `stages`: the batch's own timings (ms from batch formed to composited)."""
         for k, image in zip(frames, images):
             speech = self.speech.get(k)
             if speech is not None:
-                speech.image = image
+                speech.image, speech.ready_at = image, now
+                if stages is not None and speech.submitted is not None:
+                    speech.stages = {"batching": (speech.submitted - speech.received) * 1000, **stages}
 
     def failed(self, frames: list[int]) -> None:
         for k in frames:
@@ -278,28 +322,31 @@ class LiveSession:
             speech = self.speech.pop(k, None)
             if speech is not None and speech.image is not None:
                 out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received,
-                                    speech.audio, utterance=speech.utterance, last=speech.last))
+                                    speech.audio, stages=speech.stages, ready_at=speech.ready_at,
+                                    utterance=speech.utterance, last=speech.last))
             elif speech is not None and speech.tail:   # audio only (an utterance's last samples), or a cut
                 out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), audio=speech.audio,
                                     utterance=speech.utterance, last=speech.last))
             else:
                 if speech is not None:
                     self.stats.missed += 1
+                    where = speech.where()
+                    self.stats.missed_in[where] = self.stats.missed_in.get(where, 0) + 1
                 out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None,
                                     audio=speech.audio if speech is not None else None,
                                     utterance=speech and speech.utterance, last=speech is not None and speech.last))
             self.next_index += 1
         return out
 
-    def upcoming(self, horizon: int) -> list[int]:
-        """Background indices of the next `horizon` frames (for the idle cache to hold them in time)."""
-        return sorted({self.background(k) for k in range(self.next_index, self.next_index + horizon)})
-
     def sent(self, frame: Outgoing, now: float) -> None:
         late_ms = (now - frame.due) * 1000
         if frame.kind == "speech":
             self.stats.speech += 1
             self.stats.latency_ms.append((now - frame.received) * 1000)
+            for name, ms in (frame.stages or {}).items():
+                self.stats.stage(name, ms)
+            if frame.ready_at:
+                self.stats.stage("hold", (now - frame.ready_at) * 1000)
         else:
             self.stats.idle += 1
         if late_ms > 40:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import av
 import numpy as np
@@ -83,16 +84,18 @@ class Viewer:
                                                               credential=s.credential)
                                                  for s in config.ice_servers])
 
-    async def start(self) -> None:
+    async def start(self, sockets: Sequence[socket.socket]) -> None:
+        """Serve on `sockets`, bound (and listening) by the host process before it reported READY, so that
+        a taken viewer.port ends the start instead of failing here (shm/child.py listen_tcp)."""
         app = web.Application(client_max_size=OFFER_MAX_BYTES)
         app.router.add_get("/view/{token}", self._page)
         app.router.add_post("/whep/{token}", self._offer)
         app.router.add_static("/static/", STATIC, follow_symlinks=False)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]   # the one chosen for port 0
+        for sock in sockets:
+            await web.SockSite(self._runner, sock).start()
+        port = sockets[0].getsockname()[1]   # the one chosen for port 0
         self.base_url = (self.config.public_url or f"http://{self.config.host}:{port}").rstrip("/")
         log.info("WebRTC viewer on %s", self.base_url)
 

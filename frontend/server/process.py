@@ -40,7 +40,7 @@ from frontend.server import control
 from frontend.server.calls import Call, ReplyTo, Tenant
 from frontend.server.catalog import Catalog, ModelSpec
 from frontend.server.validate import check_message, check_pcm, check_request, check_tensors, parse_header
-from shm.child import child_main
+from shm.child import bind_endpoint, child_main, listen_tcp
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, ReleaseImages,
@@ -49,6 +49,7 @@ from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
+VIEWER_START_TIMEOUT_S = 30.0   # a webrtc session_open waits this long at most for the viewer to start
 TRACKER_POLL_S = 0.002
 SENT = type("Sent", (), {"done": True})()   # stands for the tracker of a send that failed
 KINDS = {P.Op.INFER: Kind.INFER, P.Op.COMPOSITE: Kind.COMPOSITE, P.Op.LOAD: Kind.LOAD, P.Op.UNLOAD: Kind.UNLOAD,
@@ -70,13 +71,17 @@ class Frontend(Shell):
         self.auth = None
         self.tenants = self._tenants(ctx)
         self.clients = []
+        self._readable: dict = {}   # client ROUTER -> the asyncio.Event its reader waits on
+        self._recheck_due = False
         for endpoint in config.frontend.bind:
             network = not endpoint.startswith(("ipc://", "inproc://"))
-            sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=lim.max_message_bytes if network else None)
+            # NOTE: plain (not asyncio) sockets: replies and frames leave with one non-blocking send each,
+            # no future per message; the readers wait on the socket's fd (_read_clients).
+            sock = make_socket(ctx, zmq.ROUTER, max_message_bytes=lim.max_message_bytes if network else None)
             if config.frontend.curve is not None:
                 make_server(sock, resolve_path(config, config.frontend.curve.secret_key),
                             "frontend.curve.secret_key")
-            sock.bind(endpoint)
+            bind_endpoint(sock, endpoint, "frontend.bind")
             self.clients.append(sock)
         # One monitor per ROUTER, read without blocking (see _connections_closed).
         self.monitors = []
@@ -95,12 +100,14 @@ class Frontend(Shell):
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.cpu]
-        self.backlogs = Backlogs(lim.max_client_backlog_bytes)
+        self.backlogs = Backlogs(lim.max_client_backlog_bytes, lim.max_backlog_bytes)
+        # The WebRTC viewer: its port bound here, so that a taken port ends the start; its stack (aiohttp,
+        # aiortc: ~0.4 s of imports) loaded and served after READY (_main). Live sessions get it there.
         self.viewer = None
-        if config.viewer.port:   # the WebRTC viewer: started with the event loop (_main)
-            from frontend.live.viewer import Viewer   # NOTE: aiortc is imported only where a viewer runs
-            self.viewer = Viewer(config.viewer)
-        self.live = Live(self, config, self.metrics, self.viewer)
+        self.viewer_sockets = (listen_tcp(config.viewer.host, config.viewer.port, "viewer.port", "(0: no viewer)")
+                               if config.viewer.port else [])
+        self.live = Live(self, config, self.metrics, viewer_coming=bool(self.viewer_sockets))
+        self._viewer_task: Optional[asyncio.Task] = None
         self.deadlines = Alarm(self._on_deadline)
         self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
 
@@ -152,18 +159,13 @@ class Frontend(Shell):
 
     async def _main(self) -> None:
         internal = asyncio.create_task(self._read_internal())
+        viewer = self._viewer_task = asyncio.create_task(self._start_viewer()) if self.viewer_sockets else None
         self.catalog.warm(await self.catalog.ids())   # in the background: `models` is fast from the start
         # NOTE: serve clients only once the supervisor has told us every worker's state (it does right
         # after our READY); else a restarted frontend would answer `unavailable` for a moment.
         deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S
         while not self.engine.synced() and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.01)
-        if self.viewer is not None:
-            try:
-                await self.viewer.start()
-            except OSError as err:
-                raise RuntimeError(f"the WebRTC viewer cannot listen on {self.config.viewer.host}:"
-                                   f"{self.config.viewer.port} ({err}); change viewer.port, or 0 for none") from None
         readers = [asyncio.create_task(self._read_clients(i, s)) for i, s in enumerate(self.clients)]
         readers += [asyncio.create_task(self._watch_connections(i, m)) for i, m in enumerate(self.monitors)]
         while not self._stopping:
@@ -174,13 +176,45 @@ class Frontend(Shell):
         self.start_draining(time.monotonic())
         while not self.drain_step(time.monotonic()):
             await asyncio.sleep(0.05)
+        if viewer is not None:
+            viewer.cancel()
         if self.viewer is not None:
             await self.viewer.stop()
         internal.cancel()
 
+    async def _start_viewer(self) -> None:
+        """The WebRTC viewer on the port bound at start: its stack (aiohttp, aiortc: ~0.4 s of imports)
+        is loaded in a thread while clients are already served; until it runs, a webrtc session_open
+        is answered `unavailable` (live/service.py)."""
+        def load():
+            from frontend.live.viewer import Viewer   # NOTE: aiortc is imported only where a viewer runs
+            return Viewer
+        viewer = (await asyncio.to_thread(load))(self.config.viewer)
+        await viewer.start(self.viewer_sockets)
+        self.viewer = viewer
+        self.live.attach_viewer(viewer)
+
     async def _read_clients(self, index: int, sock) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
+        loop = asyncio.get_running_loop()
+        ready = self._readable[sock] = asyncio.Event()
+        loop.add_reader(sock.FD, ready.set)   # edge-triggered: always drain after a wake-up
+        try:
+            while True:
+                if not self._take_requests(index, sock):
+                    await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
+                    continue
+                await ready.wait()
+                ready.clear()
+        finally:
+            loop.remove_reader(sock.FD)
+
+    def _take_requests(self, index: int, sock, most: int = 256) -> bool:
+        """Handle the requests waiting on a client socket; False if `most` were taken and more may wait."""
+        for _ in range(most):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
             # NOTE: libzmq queues a connection's DISCONNECTED event before it closes the fd, and so
             # before another connection can be accepted on the same number: taking the events first
             # means a reused fd is never mistaken for the closed connection.
@@ -189,6 +223,7 @@ class Frontend(Shell):
                 self._on_request(index, sock, frames)
             except Exception:  # a bug must not kill the reader
                 log.exception("request handling failed")
+        return False
 
     async def _watch_connections(self, index: int, monitor: zmq.Socket) -> None:
         loop = asyncio.get_running_loop()
@@ -327,6 +362,14 @@ class Frontend(Shell):
 
     def _session_op(self, call: Call, payload: list) -> None:
         header = call.header
+        if header.op is P.Op.SESSION_OPEN and header.webrtc and self._viewer_task is not None \
+                and not self._viewer_task.done():
+            asyncio.create_task(self._after_viewer(call, payload))   # it is a moment away: wait, not refuse
+            return
+        self._session_op_now(call, payload)
+
+    def _session_op_now(self, call: Call, payload: list) -> None:
+        header = call.header
         try:
             if header.op is P.Op.SESSION_OPEN:
                 call.spec = self._spec(header)
@@ -337,6 +380,13 @@ class Frontend(Shell):
             return
         self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
         self.send(call.reply_to, reply)
+
+    async def _after_viewer(self, call: Call, payload: list) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._viewer_task), VIEWER_START_TIMEOUT_S)
+        except Exception:   # it failed or is slow: Live answers why (the viewer is not there)
+            log.exception("the WebRTC viewer did not start")
+        self._session_op_now(call, payload)
 
     def _spec(self, header: P.RequestHeader) -> Optional[ModelSpec]:
         known = self.catalog.known(header.model)
@@ -397,22 +447,30 @@ class Frontend(Shell):
         # NOTE: pyzmq cannot track a message that resends received (untracked) frames: send their
         # buffers instead (still no copy; the memoryview keeps the received frame alive).
         frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*reply_to.envelope, header, *data)]
-        sent = reply_to.sock.send_multipart(frames, copy=False, track=True)
-        sent.add_done_callback(lambda f: self._sent(f, entry))
+        sock = reply_to.sock
+        try:
+            # NOTE: a ROUTER never blocks a send (a peer past its high-water mark loses the message)
+            tracker = sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
+        except zmq.ZMQError as err:
+            log.error("sending a reply failed: %s", err)
+            tracker = SENT
+        entry[0] = tracker
         if also is not None:   # another bound counts this message too (a session's queued frames)
-            sent.add_done_callback(lambda f: self._sent(f, also))
+            also[0] = tracker
         if image_slots:
-            self._release_when_sent(sent, req, set(image_slots))
+            self._release_when_sent(tracker, req, set(image_slots))
+        # NOTE: a send may take the socket's edge-triggered fd event for a request that came in
+        # meanwhile: look once more after this pass of sends, so that its reader is not left waiting.
+        if not self._recheck_due:
+            self._recheck_due = True
+            asyncio.get_running_loop().call_soon(self._recheck_reads)
         return True
 
-    @staticmethod
-    def _sent(future, entry: list) -> None:
-        if future.cancelled() or future.exception() is not None:
-            if not future.cancelled():
-                log.error("sending a reply failed: %r", future.exception())
-            entry[0] = SENT
-        else:
-            entry[0] = future.result()
+    def _recheck_reads(self) -> None:
+        self._recheck_due = False
+        for sock, ready in self._readable.items():
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                ready.set()
 
     def _error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
         self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message))
@@ -421,26 +479,18 @@ class Frontend(Shell):
         for j in compositors:
             self.to_cpu[j].send(encode(ReleaseImages(req=req)))
 
-    def _release_when_sent(self, sent, req: int, compositors: set[int]) -> None:
+    def _release_when_sent(self, tracker, req: int, compositors: set[int]) -> None:
         """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
         has let go of the bytes (its MessageTracker), not before."""
         loop = asyncio.get_running_loop()
 
-        def check(tracker) -> None:
+        def check() -> None:
             if tracker.done:
                 self.free_images(req, compositors)
             else:
-                loop.call_later(TRACKER_POLL_S, check, tracker)
+                loop.call_later(TRACKER_POLL_S, check)
 
-        def on_sent(future) -> None:
-            if future.cancelled() or future.exception() is not None:
-                if not future.cancelled():
-                    log.error("sending raw frames of request %d failed: %r", req, future.exception())
-                self.free_images(req, compositors)
-            else:
-                check(future.result())
-
-        sent.add_done_callback(on_sent)
+        check()
 
     def _outcome(self, r: Request, outcome: str) -> None:
         call = r.data
@@ -518,6 +568,10 @@ class Frontend(Shell):
     # -- internal messages ------------------------------------------------------------------
 
     def _on_internal(self, msg, data: list) -> None:
+        if isinstance(msg, (InferDone, CompositeDone)):   # when answers arrive: live frames' stages
+            r = self.engine.table.get(msg.req)
+            if r is not None:
+                r.answered["infer" if isinstance(msg, InferDone) else "composite"] = time.monotonic()
         if isinstance(msg, InferDone):
             self.metrics.latency.labels("queue").observe(msg.queue_ms)
             if msg.ok:
