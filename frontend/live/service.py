@@ -72,9 +72,11 @@ def speech_stages(timing: dict, answered: dict) -> dict:
     """A composited batch's stages after its batch was formed, in ms (timeline.STAGES), from the
     worker's and the compositors' own timings and when the host received their answers."""
     composite_ms = timing.get("composite_ms", 0.0)
-    handed = (answered.get("composite", 0.0) - answered.get("infer", 0.0)) * 1000 - composite_ms
-    return {"queue": timing.get("queue_ms", 0.0), "inference": timing.get("inference_ms", 0.0),
-            "to_composite": max(handed, 0.0), "composite": composite_ms}
+    stages = {"queue": timing.get("queue_ms", 0.0), "inference": timing.get("inference_ms", 0.0),
+              "composite": composite_ms}
+    if "infer" in answered and "composite" in answered:   # (a reply can overtake the other on its way)
+        stages["to_composite"] = max((answered["composite"] - answered["infer"]) * 1000 - composite_ms, 0.0)
+    return stages
 
 
 class Live:
