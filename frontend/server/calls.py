@@ -4,6 +4,7 @@ reply goes, and the tenant it belongs to. Requests themselves live in the engine
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 from frontend import protocol as P
@@ -27,9 +28,10 @@ class ReplyTo:
     tenant: Optional[Tenant] = None
     conn: Optional[tuple] = None   # (ROUTER index, connection fd): what a disconnect names
 
-    @property
+    @cached_property
     def peer(self) -> tuple:
-        """Who sent it: the socket and the routing ids (unique per connection, inproc included)."""
+        """Who sent it: the socket and the routing ids (unique per connection, inproc included); the
+        ids as bytes are also what a reply is addressed with."""
         return id(self.sock), tuple(getattr(f, "bytes", f) for f in self.envelope)
 
 

@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
 VIEWER_START_TIMEOUT_S = 30.0   # a webrtc session_open waits this long at most for the viewer to start
 TRACKER_POLL_S = 0.002
-SENT = type("Sent", (), {"done": True})()   # stands for the tracker of a send that failed
+SENT = type("Sent", (), {"done": True})()   # the tracker of a message that has left (copied) or failed
+ZERO_COPY_BYTES = 64 * 1024   # smaller message parts are copied (pyzmq's own threshold)
 KINDS = {P.Op.INFER: Kind.INFER, P.Op.COMPOSITE: Kind.COMPOSITE, P.Op.LOAD: Kind.LOAD, P.Op.UNLOAD: Kind.UNLOAD,
          P.Op.STATS: Kind.STATS}
 
@@ -444,13 +445,9 @@ class Frontend(Shell):
             data = [bytes(d) for d in data]
             self.free_images(req, image_slots)
             image_slots = ()
-        # NOTE: pyzmq cannot track a message that resends received (untracked) frames: send their
-        # buffers instead (still no copy; the memoryview keeps the received frame alive).
-        frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in (*reply_to.envelope, header, *data)]
         sock = reply_to.sock
         try:
-            # NOTE: a ROUTER never blocks a send (a peer past its high-water mark loses the message)
-            tracker = sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=True)
+            tracker = _send_parts(sock, (*reply_to.peer[1], header, *data))
         except zmq.ZMQError as err:
             log.error("sending a reply failed: %s", err)
             tracker = SENT
@@ -624,6 +621,30 @@ class Frontend(Shell):
             self.metrics.queue_depth.labels(label).set(len(w.active))
             self.metrics.slots_in_use.labels(label).set(w.slots - w.free_slots)
             self.metrics.models_loaded.labels(label).set(len(w.models))
+
+
+_MORE, _LAST = int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.NOBLOCK)   # ints: no enum arithmetic per part
+
+
+def _send_parts(sock: zmq.Socket, parts: tuple):
+    """Send one message without blocking (a ROUTER never blocks: a peer past its high-water mark loses
+    it). Small parts are copied; large ones leave without a copy, and the returned tracker covers
+    every one of them (send_multipart tracks the last part only, which may be a small one)."""
+    trackers = []
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        flags = _MORE if i < last else _LAST
+        if isinstance(part, zmq.Frame):
+            # NOTE: pyzmq cannot track a received (untracked) frame: send its buffer instead (still no
+            # copy; the memoryview keeps the received frame alive)
+            part = part.buffer
+        if memoryview(part).nbytes < ZERO_COPY_BYTES:
+            sock.send(part, flags, copy=True)
+        else:
+            trackers.append(sock.send(part, flags, copy=False, track=True))
+    if not trackers:
+        return SENT
+    return trackers[0] if len(trackers) == 1 else zmq.MessageTracker(*trackers)
 
 
 def _source_fd(frame: zmq.Frame) -> Optional[int]:
