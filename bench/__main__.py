@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup|avatars] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -17,7 +17,8 @@ from config import parse_config
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264", "startup"], default="all")
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264",
+                                                         "startup", "avatars"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog and startup benches")
@@ -57,6 +58,9 @@ def main() -> int:
     if args.what in ("all", "startup"):
         from bench import startup
         results["startup"] = startup.run(models_dir, args.runs, args.models)
+    if args.what in ("all", "avatars"):
+        from bench import avatars
+        results["avatars"] = avatars.run(models_dir, args.seconds)
     if args.what in ("all", "cpu"):
         from bench import cpu
         results["cpu"] = cpu.run(models_dir, args.seconds)

@@ -17,6 +17,7 @@ import os
 import resource
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -84,31 +85,40 @@ async def first_speech_ms(endpoint: str, model: str, how: str) -> float:
         return ms
 
 
+def run(models_dir, seconds: float = 8.0) -> dict:
+    """First speech frame after the first chunk, by how the TTS sends, and each integration's CPU per
+    frame in this process."""
+    cfg = base_config(Path(models_dir), sessions={"latency_budget_ms": 280},
+                      compositing={"workers": 1, "cache_bytes": 512 * 1024 * 1024, "max_frame_width": 1920,
+                                   "max_frame_height": 1080})
+    results: dict = {"first_speech_ms": {}, "per_frame": {}}
+    with tempfile.TemporaryDirectory() as tmp, run_server(Path(tmp), cfg) as server:
+        print(f"voice-agent integrations: server {server.endpoint}, demo avatar 1280x720, latency budget 280 ms")
+        for how in ("1 s at once", "real time, 20 ms", "2x, 20 ms, bare session", "2x, AvatarStream"):
+            ms = sorted(asyncio.run(first_speech_ms(server.endpoint, "demo", how)) for _ in range(3))
+            results["first_speech_ms"][how] = ms
+            print(f"  first speech frame after the first chunk, {how:>24}: {ms[1]:6.0f} ms (median of 3; "
+                  f"{ms[0]:.0f}-{ms[2]:.0f})")
+        for name, measure in (("pipecat", _pipecat_per_frame), ("livekit", _livekit_per_frame)):
+            try:
+                frames, cpu_s, wall_s = asyncio.run(measure(server.endpoint, "demo", seconds))
+            except ImportError as err:
+                print(f"  {name}: not installed ({err})")
+                continue
+            results["per_frame"][name] = {"frames": frames, "cpu_ms": cpu_s / frames * 1000}
+            print(f"  {name}: {frames} frames in {wall_s:.1f} s ({frames / wall_s:.1f}/s, the server's 25), "
+                  f"{cpu_s / frames * 1000:.2f} ms CPU per frame in this process = "
+                  f"{cpu_s / frames * 25 * 100:.1f} % of one core at 25 fps")
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.avatars", description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
     args = parser.parse_args()
     from supervisor.demo import build_demo
-    models = build_demo(parse_config({"demo": {"cache_dir": args.cache_dir, "frames": 24}}, base_dir="/"))
-    cfg = base_config(models, sessions={"latency_budget_ms": 280},
-                      compositing={"workers": 1, "cache_bytes": 512 * 1024 * 1024, "max_frame_width": 1920,
-                                   "max_frame_height": 1080})
-    with tempfile.TemporaryDirectory() as tmp, run_server(__import__("pathlib").Path(tmp), cfg) as server:
-        print(f"server: {server.endpoint}, demo avatar 1280x720, latency budget 280 ms")
-        for how in ("1 s at once", "real time, 20 ms", "2x, 20 ms, bare session", "2x, AvatarStream"):
-            ms = sorted(asyncio.run(first_speech_ms(server.endpoint, "demo", how)) for _ in range(3))
-            print(f"first speech frame after the first chunk, {how:>24}: {ms[1]:6.0f} ms (median of 3; "
-                  f"{ms[0]:.0f}-{ms[2]:.0f})")
-        for name, run in (("pipecat", _pipecat_per_frame), ("livekit", _livekit_per_frame)):
-            try:
-                frames, cpu_s, wall_s = asyncio.run(run(server.endpoint, "demo", args.seconds))
-            except ImportError as err:
-                print(f"{name}: not installed ({err})")
-                continue
-            print(f"{name}: {frames} frames in {wall_s:.1f} s ({frames / wall_s:.1f}/s, the server's 25), "
-                  f"{cpu_s / frames * 1000:.2f} ms CPU per frame in this process = "
-                  f"{cpu_s / frames * 25 * 100:.1f} % of one core at 25 fps")
+    run(build_demo(parse_config({"demo": {"cache_dir": args.cache_dir, "frames": 24}}, base_dir="/")), args.seconds)
     return 0
 
 
