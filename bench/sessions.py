@@ -162,16 +162,64 @@ def _sum_counts(dicts) -> dict:
     return total
 
 
+def _settings(fmt: str, budget_ms: int) -> dict:
+    return {"sessions.max_sessions": 1000, "sessions.latency_budget_ms": budget_ms, "limits.max_batch": 24,
+            "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
+            "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
+            "limits.queue_depth": 256, "shm.slots": 4}
+
+
+def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str = "jpeg",
+              budget_ms: int = 280) -> dict:
+    """One speaking level through an edge (frontend + compositing) and a GPU host (inference + bridge)
+    over loopback with CURVE, both on this machine: the CPU figures are the edge's processes (its
+    `gpu0` is the bridge client), the GPU host's are printed beside them."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, free_port, gpu_host
+    root = Path(tempfile.mkdtemp(prefix="lsync-split-"))
+    try:
+        models = _models(Path(demo_dir), root)
+        keys = root / "keys"
+        subprocess.run([sys.executable, "-m", "supervisor", "keys", str(keys), "gpu", "edge"], cwd=ROOT, check=True,
+                       capture_output=True)
+        (keys / "authorized").mkdir()
+        (keys / "authorized" / "edge.key").write_bytes((keys / "edge.key").read_bytes())
+        port, common = free_port(), _settings(fmt, budget_ms)
+        gpu_cfg = base_config(models, **common, **{"shm.prefix": "lsbsplitg", "bridge": {
+            "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
+            "authorized_keys": str(keys / "authorized")}})
+        edge_cfg = base_config(models, **common, **{"shm.prefix": "lsbsplite", "bridge": {
+            "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
+            "client_secret_key": str(keys / "edge.key_secret")}})
+        with gpu_host(root, gpu_cfg) as (host, _), run_server(root, edge_cfg, role="edge") as edge:
+            deadline = time.monotonic() + 60
+            while edge.health()["status"] != "ready":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the edge never saw its GPU host ready")
+                time.sleep(0.2)
+            if fmt == "h264":
+                asyncio.run(_level(edge.endpoint, 4, 4.0, 0.5, None, fmt))
+            gpu_procs = [host.pid] + [c.pid for c in psutil.Process(host.pid).children(recursive=True)]
+            gpu_before, t0 = sum(sum(psutil.Process(p).cpu_times()[:2]) for p in gpu_procs), time.monotonic()
+            result = _run_level(edge, sessions, seconds, 0.27, fmt=fmt)
+            gpu_after = sum(sum(psutil.Process(p).cpu_times()[:2]) for p in gpu_procs)
+            result["split"] = True
+            result["gpu_host_cpu_percent"] = round(100 * (gpu_after - gpu_before) / (time.monotonic() - t0))
+            print(f"  through an edge + GPU host (GPU host processes: {result['gpu_host_cpu_percent']}% CPU):")
+            _print(result)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
         pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280) -> dict:
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
-        cfg = base_config(models, **{"sessions.max_sessions": 1000, "sessions.latency_budget_ms": budget_ms,
-                                     "limits.max_batch": 24,
-                                     "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
-                                     "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
-                                     "limits.queue_depth": 256, "shm.slots": 4})
+        cfg = base_config(models, **_settings(fmt, budget_ms))
         results = []
         with run_server(root, cfg) as srv:
             if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
@@ -182,20 +230,23 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
             for n in silent:
                 results.append(_run_level(srv, n, seconds, 0.0, fmt=fmt))
                 _print(results[-1])
-            if fmt != "jpeg":
-                return {"levels": results}
-            speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
-            costs = _pcm_costs(models / "avatar" / "audio_encoder.onnx", speech)
-            print(f"  PCM: mel in the frontend {costs['mel_us_per_chunk']:.0f} us per 20-ms chunk "
-                  f"({costs['mel_percent_of_realtime']:.2f}% of real time); encoder in the worker "
-                  f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
-            for n in pcm_speaking:
-                for tts in (False, True):
-                    results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts))
-                    _print(results[-1])
+            if fmt == "jpeg":
+                _pcm_levels(srv, root, models, seconds, pcm_speaking, results)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"levels": results}
+    return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms)}
+
+
+def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: list) -> None:
+    speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
+    costs = _pcm_costs(models / "avatar" / "audio_encoder.onnx", speech)
+    print(f"  PCM: mel in the frontend {costs['mel_us_per_chunk']:.0f} us per 20-ms chunk "
+          f"({costs['mel_percent_of_realtime']:.2f}% of real time); encoder in the worker "
+          f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
+    for n in levels:
+        for tts in (False, True):
+            results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts))
+            _print(results[-1])
 
 
 def _print(r: dict) -> None:
