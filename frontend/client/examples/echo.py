@@ -7,8 +7,8 @@ video and voice out, and the lip-sync server makes the face.
 
 The pipeline is a voice agent with the STT, LLM and TTS taken out: what the microphone hears goes to
 `LipsyncVideoService` as if a TTS had said it, cut into utterances at pauses (`MicAsSpeech`), and the
-avatar says it back, its lips moving, about 0.7 s later (the model's 453 ms look-ahead plus the
-server's latency budget: docs/integrations.md, "Latency to expect"):
+avatar says it back, its lips moving, under a second later (the model's 453 ms look-ahead, the
+server's latency budget, WebRTC both ways: docs/integrations.md, "Latency to expect"):
 
     transport.input() -> MicAsSpeech -> LipsyncVideoService -> transport.output()
 
