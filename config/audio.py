@@ -197,14 +197,15 @@ class PcmStream:
 
     def __init__(self, name: str = "") -> None:
         self.name = name                        # unique per utterance: workers key their encoder outputs by it
-        self._x = np.zeros(0, np.float64)       # pre-emphasised samples so far
+        self._x = np.zeros(0, np.float64)       # pre-emphasised samples not yet used by every mel row
+        self._base = 0                          # the utterance's sample number of self._x[0]
         self._previous = 0.0                    # the last raw sample (pre-emphasis continues across chunks)
         self._mel: list[np.ndarray] = []        # final mel rows
         self.ended = False
 
     @property
     def samples(self) -> int:
-        return len(self._x)
+        return self._base + len(self._x)
 
     def push(self, samples: np.ndarray, last: bool = False) -> None:
         if self.ended:
@@ -217,22 +218,30 @@ class PcmStream:
         self._compute_rows()
 
     def _compute_rows(self) -> None:
-        n = len(self._x)
+        n = self.samples
         total = 1 + n // HOP if self.ended else max(0, (n - N_FFT // 2) // HOP + 1)
         first = len(self._mel)
         if total <= first:
             return
-        padded = np.pad(self._x[max(first * HOP - N_FFT // 2, 0):], (max(N_FFT // 2 - first * HOP, 0), N_FFT // 2))
+        start = max(first * HOP - N_FFT // 2, 0)
+        padded = np.pad(self._x[start - self._base:], (max(N_FFT // 2 - first * HOP, 0), N_FFT // 2))
         frames = np.lib.stride_tricks.as_strided(padded, (total - first, N_FFT),
                                                  (padded.strides[0] * HOP, padded.strides[0]))
         self._mel += list(normalize(np.abs(np.fft.rfft(frames * _WINDOW, axis=1))))
+        # NOTE: the next row needs samples from its own start on: keep only those, so that a long
+        # utterance costs each chunk its own samples, not a copy of everything before them.
+        keep = max(total * HOP - N_FFT // 2, 0)
+        if keep > self._base:
+            self._x = self._x[keep - self._base:]
+            self._base = keep
 
     def encoder_count(self) -> int:
         """Encoder inputs final so far (at the end: all L)."""
         m = len(self._mel)
         if self.ended:
             return int((m - MEL_WINDOW) / MEL_PER_S * FPS) + 2 if m >= MEL_WINDOW else 0
-        j = 0
+        # the first j whose rows run past the mel so far: near (m - MEL_WINDOW) * FPS / MEL_PER_S
+        j = max(int((m - MEL_WINDOW) * FPS / MEL_PER_S) - 1, 0)
         while int(MEL_PER_S * (j / FPS)) + MEL_WINDOW <= m:
             j += 1
         return j
