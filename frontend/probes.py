@@ -21,14 +21,19 @@ SERVING = ("ready", "degraded")   # /readyz answers 200 for these, 503 for start
 
 def readiness(workers: list, compositors: list, synced: bool, draining: bool) -> tuple[str, Optional[str]]:
     """(status, reason) of a process that serves with `workers` (and `compositors`, which a GPU host
-    has none of): ready; degraded (it serves, but a process is down); starting (no state yet, or
-    every worker still starting); draining (SIGTERM: finishing what is in flight, taking nothing
+    has none of): ready; degraded (it serves, but a process is down); starting (no state yet, or a
+    process still in its first start); draining (SIGTERM: finishing what is in flight, taking nothing
     new); not ready. Vacant GPU-host slots (DNS discovery) are neither down nor ready."""
     if draining:
         return "draining", "shutting down: finishing the requests in flight, taking no new ones"
     workers = [w for w in workers if w.state is not ProcState.VACANT]
-    if not synced or not workers or all(w.state is ProcState.STARTING and not w.restarts for w in workers):
-        return "starting", "the inference workers are starting" if workers else "no GPU host found yet"
+    # NOTE: a process in its first start is not "down": until each one has come up once the server
+    # is starting (not degraded), whichever came up first.
+    first_start = [p for p in [*workers, *compositors] if p.state is ProcState.STARTING and not p.restarts]
+    if not synced or not workers or first_start:
+        return "starting", ("the inference workers are starting" if any(w in first_start for w in workers)
+                            else "the compositing processes are starting" if first_start else
+                            "no GPU host found yet" if not workers else "waiting for the processes' state")
     if not any(w.ready for w in workers):
         return "not ready", "no inference worker is ready: " + ", ".join(f"{w.device} {w.state.value}" for w in workers)
     if compositors and not any(c.ready for c in compositors):
