@@ -22,8 +22,8 @@ import pytest
 
 pytest.importorskip("pipecat", reason="the pipecat extra: pip install -e .[pipecat]")
 
-from tests.helpers import ROOT, base_config, free_port, make_video_avatar, run_server  # noqa: E402
-from tests.voice import espeak_available, tts_speech, warm_up, write_wav  # noqa: E402
+from tests.helpers import ROOT, free_port  # noqa: E402
+from tests.voice import espeak_available, face_avatar, tts_speech, warm_server, write_wav  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -83,16 +83,12 @@ async (seconds) => {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_video_avatar(root, "face", n_frames=N_FRAMES)
-    return root
+    return face_avatar(tmp_path_factory, N_FRAMES)
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    cfg = base_config(models, sessions={"latency_budget_ms": 600})
-    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
-        warm_up(srv, "face")
+    with warm_server(models, tmp_path_factory, latency_budget_ms=600) as srv:
         yield srv
 
 

@@ -6,7 +6,6 @@ runner's room side (publishing tracks) is not exercised: everything up to it is.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import cv2
 import numpy as np
@@ -18,8 +17,7 @@ from livekit import rtc  # noqa: E402
 from livekit.agents.voice.avatar import AudioSegmentEnd, QueueAudioOutput  # noqa: E402
 
 from frontend.client.livekit import LipsyncVideoGenerator  # noqa: E402
-from tests.helpers import base_config, make_video_avatar, run_server  # noqa: E402
-from tests.voice import tts_speech, warm_up  # noqa: E402
+from tests.voice import face_avatar, tts_speech, warm_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 6
@@ -29,16 +27,12 @@ CHUNK = RATE // 50
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_video_avatar(root, "face", n_frames=N_FRAMES)
-    return root
+    return face_avatar(tmp_path_factory, N_FRAMES)
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    cfg = base_config(models, sessions={"latency_budget_ms": 800, "start_delay_ms": 200})
-    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
-        warm_up(srv, "face")
+    with warm_server(models, tmp_path_factory, latency_budget_ms=800, start_delay_ms=200) as srv:
         yield srv
 
 

@@ -23,8 +23,8 @@ from pipecat.frames.frames import (  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
 from frontend.client.pipecat import LipsyncVideoService  # noqa: E402
-from tests.helpers import base_config, free_port, make_video_avatar, run_server  # noqa: E402
-from tests.voice import tts_speech, warm_up  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
+from tests.voice import face_avatar, tts_speech, warm_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 6
@@ -34,16 +34,12 @@ CHUNK = RATE // 50            # 20-ms TTS chunks
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_video_avatar(root, "face", n_frames=N_FRAMES)
-    return root
+    return face_avatar(tmp_path_factory, N_FRAMES)
 
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    cfg = base_config(models, sessions={"latency_budget_ms": 800, "start_delay_ms": 200})
-    with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
-        warm_up(srv, "face")
+    with warm_server(models, tmp_path_factory, latency_budget_ms=800, start_delay_ms=200) as srv:
         yield srv
 
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 import wave
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -56,3 +57,20 @@ def warm_up(server, model: str, seconds: float = 2.5) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             s.next_frame(timeout_s=0.5)
+
+
+def face_avatar(tmp_path_factory, n_frames: int) -> Path:
+    """A models directory holding `face`, a video-like avatar: what the integration tests speak to."""
+    from tests.helpers import make_video_avatar
+    root = tmp_path_factory.mktemp("models")
+    make_video_avatar(root, "face", n_frames=n_frames)
+    return root
+
+
+@contextmanager
+def warm_server(models: Path, tmp_path_factory, **sessions):
+    """A server on `models` with these `sessions` settings, `face` warmed up (warm_up)."""
+    from tests.helpers import base_config, run_server
+    with run_server(tmp_path_factory.mktemp("srv"), base_config(models, sessions=sessions)) as srv:
+        warm_up(srv, "face")
+        yield srv
