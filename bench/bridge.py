@@ -9,8 +9,6 @@ visual input (2.5 MB a frame crosses).
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from frontend.client import Client
-from tests.helpers import ROOT, base_config, free_port, gpu_host, make_avatar, run_server
+from tests.helpers import base_config, bridge_configs, bridge_keys, free_port, gpu_host, make_avatar, run_server
 
 BATCH = 24
 
@@ -43,21 +41,11 @@ def run(n: int = 10) -> dict:
     models = tmp / "models"
     common = {"limits.max_batch": BATCH, "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
               "compositing.cache_bytes": 256 * 1024 * 1024, "compositing.workers": 1}
-    keys = tmp / "keys"
-    subprocess.run([sys.executable, "-m", "supervisor", "keys", str(keys), "gpu", "edge"], cwd=ROOT, check=True,
-                   capture_output=True)
-    (keys / "authorized").mkdir()
-    (keys / "authorized" / "edge.key").write_bytes((keys / "edge.key").read_bytes())
+    keys = bridge_keys(tmp / "keys")
     results = {}
     with run_server(tmp, base_config(models, **common)) as single, single.client() as c:
         results["single"] = {v: _latencies(c, n, v) for v in (False, True)}
-    port = free_port()
-    gpu_cfg = base_config(models, **common, **{"shm.prefix": "lsbenchg", "bridge": {
-        "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
-        "authorized_keys": str(keys / "authorized")}})
-    edge_cfg = base_config(models, **common, **{"shm.prefix": "lsbenche", "bridge": {
-        "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
-        "client_secret_key": str(keys / "edge.key_secret")}})
+    gpu_cfg, edge_cfg = bridge_configs(models, keys, free_port(), "lsbench", **common)
     with gpu_host(tmp, gpu_cfg), run_server(tmp, edge_cfg, role="edge") as edge, edge.client() as c:
         results["bridge"] = {v: _latencies(c, n, v) for v in (False, True)}
     print(f"\nbridge over loopback with CURVE, batch {BATCH}, median of {n} (ms end to end):")

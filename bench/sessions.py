@@ -174,25 +174,12 @@ def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str
     """One speaking level through an edge (frontend + compositing) and a GPU host (inference + bridge)
     over loopback with CURVE, both on this machine: the CPU figures are the edge's processes (its
     `gpu0` is the bridge client), the GPU host's are printed beside them."""
-    import subprocess
-    import sys
-
-    from tests.helpers import ROOT, free_port, gpu_host
+    from tests.helpers import bridge_configs, bridge_keys, free_port, gpu_host
     root = Path(tempfile.mkdtemp(prefix="lsync-split-"))
     try:
         models = _models(Path(demo_dir), root)
-        keys = root / "keys"
-        subprocess.run([sys.executable, "-m", "supervisor", "keys", str(keys), "gpu", "edge"], cwd=ROOT, check=True,
-                       capture_output=True)
-        (keys / "authorized").mkdir()
-        (keys / "authorized" / "edge.key").write_bytes((keys / "edge.key").read_bytes())
-        port, common = free_port(), _settings(fmt, budget_ms)
-        gpu_cfg = base_config(models, **common, **{"shm.prefix": "lsbsplitg", "bridge": {
-            "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
-            "authorized_keys": str(keys / "authorized")}})
-        edge_cfg = base_config(models, **common, **{"shm.prefix": "lsbsplite", "bridge": {
-            "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
-            "client_secret_key": str(keys / "edge.key_secret")}})
+        gpu_cfg, edge_cfg = bridge_configs(models, bridge_keys(root / "keys"), free_port(), "lsbsplit",
+                                           **_settings(fmt, budget_ms))
         with gpu_host(root, gpu_cfg) as (host, _), run_server(root, edge_cfg, role="edge") as edge:
             deadline = time.monotonic() + 60
             while edge.health()["status"] != "ready":

@@ -233,6 +233,28 @@ def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role:
             server.assert_clean()
 
 
+def bridge_keys(d: Path, *others: str) -> Path:
+    """CURVE key pairs for a GPU host (`gpu`), an edge (`edge`) and `others` in `d`, and `d/authorized`
+    holding the edge's public key: what a GPU host that accepts that edge is configured with."""
+    subprocess.run([sys.executable, "-m", "supervisor", "keys", str(d), "gpu", "edge", *others], cwd=ROOT, check=True,
+                   capture_output=True, timeout=60)
+    (d / "authorized").mkdir()
+    (d / "authorized" / "edge.key").write_bytes((d / "edge.key").read_bytes())
+    return d
+
+
+def bridge_configs(models: Path, keys: Path, port: int, prefix: str, **settings) -> tuple[dict, dict]:
+    """(GPU host, edge) configs on `models` with `settings`, the edge using the GPU host on `port`
+    (keys from bridge_keys); each with its own shm prefix, as two hosts would have."""
+    gpu = base_config(models, **settings, **{"shm.prefix": prefix + "g", "bridge": {
+        "bind": f"tcp://127.0.0.1:{port}", "secret_key": str(keys / "gpu.key_secret"),
+        "authorized_keys": str(keys / "authorized")}})
+    edge = base_config(models, **settings, **{"shm.prefix": prefix + "e", "bridge": {
+        "hosts": [{"endpoint": f"tcp://127.0.0.1:{port}", "server_key": str(keys / "gpu.key")}],
+        "client_secret_key": str(keys / "edge.key_secret")}})
+    return gpu, edge
+
+
 @contextmanager
 def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0, prefix: tuple[str, ...] = ()):
     """A `--role gpu` supervisor; ready once it prints its summary. With `clock_skew_s`, every process of

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from frontend.client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
 from gpu_actor.model_builder import write_audio_encoder
 from tests.conftest import TEST_PREFIX
-from tests.helpers import ROOT, base_config, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
+from tests.helpers import base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
 AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.float32)
@@ -25,12 +23,7 @@ AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.floa
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("keys")
-    subprocess.run([sys.executable, "-m", "supervisor", "keys", str(d), "gpu", "edge", "stranger", "server",
-                    "alice", "bob"], cwd=ROOT, check=True, capture_output=True, timeout=60)
-    (d / "authorized").mkdir()
-    (d / "authorized" / "edge.key").write_bytes((d / "edge.key").read_bytes())
-    return d
+    return bridge_keys(tmp_path_factory.mktemp("keys"), "stranger", "server", "alice", "bob")
 
 
 @pytest.fixture(scope="module")
