@@ -80,9 +80,8 @@ def speech_stages(timing: dict, answered: dict) -> dict:
 
 
 class Live:
-    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, viewer_coming: bool = False):
+    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None):
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
-        self.viewer_coming = viewer_coming   # a viewer is starting (attach_viewer)
         self.cfg = config.sessions
         # NOTE: the label lookup once, not per frame sent
         self._counted = {kind: metrics.session_frames.labels(kind)
@@ -149,9 +148,6 @@ class Live:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.format: h264 needs even frame sizes; model {spec.id}'s "
                                f"frames are {spec.width}x{spec.height}", header.id)
         if header.webrtc and self.viewer is None:
-            if self.viewer_coming:
-                raise RequestError(ErrorCode.UNAVAILABLE, "header.webrtc: the WebRTC viewer is starting; retry in a "
-                                   "moment", header.id)
             raise RequestError(ErrorCode.BAD_REQUEST, "header.webrtc: this server has no viewer (viewer.port is 0, "
                                "or its role is gpu)", header.id)
         rate = header.sample_rate or SAMPLE_RATE
@@ -326,7 +322,7 @@ class Live:
 
     def attach_viewer(self, viewer: Any) -> None:
         """The WebRTC viewer, once it runs (its host starts it after the first clients are served)."""
-        self.viewer, self.viewer_coming = viewer, False
+        self.viewer = viewer
         viewer.keyframe = self.request_keyframe
 
     def request_keyframe(self, token: str) -> None:

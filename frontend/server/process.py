@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -107,7 +105,7 @@ class Frontend(Shell):
         self.viewer = None
         self.viewer_sockets = (listen_tcp(config.viewer.host, config.viewer.port, "viewer.port", "(0: no viewer)")
                                if config.viewer.port else [])
-        self.live = Live(self, config, self.metrics, viewer_coming=bool(self.viewer_sockets))
+        self.live = Live(self, config, self.metrics)
         self._viewer_task: Optional[asyncio.Task] = None
         self.deadlines = Alarm(self._on_deadline)
         self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
@@ -185,8 +183,8 @@ class Frontend(Shell):
 
     async def _start_viewer(self) -> None:
         """The WebRTC viewer on the port bound at start: its stack (aiohttp, aiortc: ~0.4 s of imports)
-        is loaded in a thread while clients are already served; until it runs, a webrtc session_open
-        is answered `unavailable` (live/service.py)."""
+        is loaded in a thread while clients are already served; a webrtc session_open meanwhile waits
+        for it (_after_viewer)."""
         def load():
             from frontend.live.viewer import Viewer   # NOTE: aiortc is imported only where a viewer runs
             return Viewer
@@ -385,8 +383,13 @@ class Frontend(Shell):
     async def _after_viewer(self, call: Call, payload: list) -> None:
         try:
             await asyncio.wait_for(asyncio.shield(self._viewer_task), VIEWER_START_TIMEOUT_S)
-        except Exception:   # it failed or is slow: Live answers why (the viewer is not there)
+        except Exception as err:
             log.exception("the WebRTC viewer did not start")
+            self.metrics.requests.labels(call.header.op.value, call.label, ErrorCode.UNAVAILABLE.value).inc()
+            self._error(call.reply_to, call.header.id, ErrorCode.UNAVAILABLE,
+                        f"header.webrtc: the WebRTC viewer did not start ({type(err).__name__}: {err}); see the "
+                        "server's log")
+            return
         self._session_op_now(call, payload)
 
     def _spec(self, header: P.RequestHeader) -> Optional[ModelSpec]:
