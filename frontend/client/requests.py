@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from config.geometry import MOUTH_SHAPE
 from frontend.client import wire
-from frontend.client.wire import DEFAULT_ENDPOINT, Answer, ClientTimeout, ServerError
+from frontend.client.wire import DEFAULT_ENDPOINT, Answer, ClientTimeout
 
 
 class Client:

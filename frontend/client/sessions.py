@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import sys
 import time
 from collections import deque
-from pathlib import Path
 from typing import Optional
 
 import numpy as np

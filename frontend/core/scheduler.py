@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Optional, Union
+from typing import Hashable, Iterator, Optional, Union
 
 from frontend.core.request import CLIENT_GONE, Kind, Request, State
 from shm.codes import ErrorCode, ModelEventKind, ProcState
