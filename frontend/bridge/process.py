@@ -86,6 +86,7 @@ class BridgeServer(Shell):
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
         self._edges_seen: dict[bytes, float] = {}
+        self._next_pin_check = 0.0
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
         self._stopping = False
         probes.serve(config.metrics.host, config.metrics.port, self.readiness)
@@ -123,7 +124,8 @@ class BridgeServer(Shell):
                     self._from_worker(decode(self.pull.recv_multipart(copy=False)[0].buffer))
             now = time.monotonic()
             self.apply(self.engine.tick(now))
-            if self._pins:
+            if self._pins and now >= self._next_pin_check:   # once a second, not once per message
+                self._next_pin_check = now + 1.0
                 self._release_gone_edges(now)
 
     # -- edges ----------------------------------------------------------------------------------
