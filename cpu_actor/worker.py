@@ -113,7 +113,7 @@ class Compositor:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
-            due = getattr(msg, "due", 0.0) or msg.deadline
+            due = msg.due or msg.deadline   # batch work and idle renders without a live frame: their deadline
             heapq.heappush(self.queue, (due, next(self._arrivals), msg))
         elif isinstance(msg, EncodeLoop):
             self.loops.append((msg, None, []))
