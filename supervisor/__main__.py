@@ -1,4 +1,4 @@
-"""python -m supervisor [--config FILE] | --check-config FILE"""
+"""python -m supervisor [--config FILE] | --check-config FILE | keys DIR NAME... | import-synctalk2d ..."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
+    if argv[:1] == ["import-synctalk2d"]:
+        from supervisor.importer.command import import_main   # NOTE: here: onnx and the builder stay out of the server
+        return import_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m supervisor",
                                      description="Start the lip-sync server: frontend, inference workers, "
                                                  "compositing pool.")

@@ -23,6 +23,7 @@ import numpy as np
 
 from config import Config, resolve_path
 from config.audio import write_speech
+from supervisor.progress import progress as _progress
 
 WIDTH, HEIGHT = 1280, 720
 MODEL_ID = "demo"
@@ -33,15 +34,6 @@ _VERSION = 3   # 2: audio encoders (PCM input); 3: the talking demo model, unet_
 def demo_root(config: Config) -> Path:
     d = config.demo
     return resolve_path(config, d.cache_dir) / f"demo-v{_VERSION}-{d.frames}f-seed{d.seed}"
-
-
-def _progress(label: str, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // total
-    sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def _scene(rng: np.random.Generator) -> np.ndarray:
