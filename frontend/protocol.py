@@ -60,6 +60,10 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     fps: Optional[Annotated[float, msgspec.Meta(gt=0, le=60)]] = None
     audio: Optional[Literal["window", "features", "pcm16"]] = None
     last: bool = False
+    # session_audio: the utterance this chunk belongs to (the client's ids: 1, 2, ..., increasing; a
+    # new id starts an utterance, after the previous one's `last`); session_interrupt: the last
+    # utterance it retires (default: every one so far). Chunks of a retired utterance are never rendered.
+    utterance: Optional[Annotated[int, msgspec.Meta(ge=1, le=2**53)]] = None
     webrtc: bool = False            # session_open (h264): also stream it to a browser through the viewer
     sample_rate: Optional[Annotated[int, msgspec.Meta(ge=8000, le=48000)]] = None   # session_open, pcm16: Hz
     pixel_format: Optional[PixelFormat] = None    # session_open, raw: the frames' layout (bgr24)
@@ -186,6 +190,8 @@ class SessionAudioReply(msgspec.Struct, kw_only=True):
     session: str
     first_frame: int
     frames: int
+    utterance: Optional[int] = None   # the utterance the chunk went to
+    retired: bool = False             # its utterance was interrupted: nothing of it is rendered (frames: 0)
 
 
 class SessionInterruptReply(msgspec.Struct, kw_only=True):
@@ -193,6 +199,7 @@ class SessionInterruptReply(msgspec.Struct, kw_only=True):
     id: RequestId = None
     session: str
     dropped: int
+    utterance: int = 0                # every utterance up to this one is retired
 
 
 class SessionKeyframeReply(msgspec.Struct, kw_only=True):

@@ -1,10 +1,13 @@
 """frontend/live/ on its own: session ops, speech batching and the pacer driven through the `Host`
-interface, with no sockets, no processes and no viewer stack. The same paths run end to end over real
-processes in test_sessions.py and test_h264.py; these pin down what live/ asks of its host."""
+interface, with no sockets, no processes and no viewer stack, on a virtual clock (the pacer, the batch
+timers and every time read are the test's): nothing here depends on how fast the machine is. The same
+paths run end to end over real processes in test_sessions.py and test_h264.py; these pin down what
+live/ asks of its host."""
 
 from __future__ import annotations
 
-import asyncio
+import heapq
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -16,7 +19,7 @@ from config import parse_config
 from frontend import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
-from frontend.live.service import Live, Pin, Speech
+from frontend.live.service import Live, Pin, SpeechBatch
 from frontend.metrics import Metrics
 from shm.codes import ErrorCode, ProcState
 
@@ -71,15 +74,53 @@ def _call(op: str, peer: Peer, **fields):
     return SimpleNamespace(header=P.RequestHeader(op=P.Op(op), id=1, **fields), spec=SPEC, reply_to=peer)
 
 
-def _live(**sessions) -> tuple[Live, RecordingHost]:
+class VirtualClock:
+    """The `Clock` live/ runs on, moved by the test: `advance` runs every timer that comes due, in order."""
+
+    class _Timer:
+        def __init__(self, callback):
+            self.callback, self.cancelled = callback, False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+        self._timers: list = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self.t
+
+    def call_at(self, when: float, callback):
+        timer = self._Timer(callback)
+        heapq.heappush(self._timers, (when, next(self._order), timer))
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        end = self.t + seconds
+        while self._timers and self._timers[0][0] <= end:
+            when, _, timer = heapq.heappop(self._timers)
+            self.t = max(self.t, when)
+            if not timer.cancelled:
+                timer.callback()
+        self.t = end
+
+
+def _live(**sessions) -> tuple[Live, RecordingHost, VirtualClock]:
     config = parse_config({"sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, **sessions}})
-    host = RecordingHost()
-    return Live(host, config, Metrics()), host
+    host, clock = RecordingHost(), VirtualClock()
+    return Live(host, config, Metrics(), clock=clock), host, clock
 
 
 def _open(live: Live, peer: Peer, **fields) -> str:
     reply = msgspec.json.decode(live.handle(_call("session_open", peer, model="a", **fields), []))
     return reply["session"]
+
+
+def _audio(live: Live, peer: Peer, token: str, n: int, value: float = 1.0, **fields) -> dict:
+    return msgspec.json.decode(live.handle(_call("session_audio", peer, session=token, **fields),
+                                           [np.full((n, 32, 16, 16), value, np.float32).tobytes()]))
 
 
 def _finish_idle_renders(live: Live, host: RecordingHost) -> None:
@@ -90,92 +131,156 @@ def _finish_idle_renders(live: Live, host: RecordingHost) -> None:
             live.done(r)
 
 
+def _composite(live: Live, r, label: str) -> None:
+    """The compositors' answer to a speech batch: frame k of session t is `label-t-k`."""
+    r.images = {0: [f"{label}-{t}-{k}".encode() for t, k, _ in r.data.targets]}
+    live.done(r)
+
+
+def _frames(host: RecordingHost, peer: Peer) -> list[tuple[dict, list]]:
+    return [(h, d) for to, h, d in host.sent if to is peer and h.get("event") == "frame"]
+
+
 def test_open_pins_the_model_and_prefetches_idle_frames():
-    async def run():
-        live, host = _live()
-        token = _open(live, Peer("owner"))
-        pins = host.of(Kind.LOAD, Pin)
-        assert len(pins) == 1 and pins[0].pin == 1 and pins[0].model == "a" and pins[0].data.token == token
-        renders = host.of(Kind.RENDER)
-        assert renders and sum(r.batch for r in renders) == len({b for r in renders for b in r.data.frames})
-        pins[0].results = [SimpleNamespace(worker=0)]
-        live.done(pins[0])
-        assert live.table.get(token).pinned_worker == 0
-        live.handle(_call("session_close", Peer("owner"), session=token), [])
-        assert host.unpinned == [(0, "a")] and live.table.get(token) is None
-    asyncio.run(run())
+    live, host, _ = _live()
+    token = _open(live, Peer("owner"))
+    pins = host.of(Kind.LOAD, Pin)
+    assert len(pins) == 1 and pins[0].pin == 1 and pins[0].model == "a" and pins[0].data.token == token
+    renders = host.of(Kind.RENDER)
+    assert renders and sum(r.batch for r in renders) == len({b for r in renders for b in r.data.frames})
+    pins[0].results = [SimpleNamespace(worker=0)]
+    live.done(pins[0])
+    assert live.table.get(token).pinned_worker == 0
+    live.handle(_call("session_close", Peer("owner"), session=token), [])
+    assert host.unpinned == [(0, "a")] and live.table.get(token) is None
 
 
 def test_speech_is_batched_across_sessions_then_paced_out_in_order():
-    async def run():
-        live, host = _live()
-        owners = [Peer("p0"), Peer("p1")]
-        tokens = [_open(live, p) for p in owners]
-        _finish_idle_renders(live, host)
-        firsts = []
-        for token, peer in zip(tokens, owners):
-            reply = live.handle(_call("session_audio", peer, session=token),
-                                [np.ones((3, 32, 16, 16), np.float32).tobytes()])
-            firsts.append(msgspec.json.decode(reply)["first_frame"])
-        await asyncio.sleep(0.1)   # at most one frame period of waiting for others to share the batch
-        speech = host.of(Kind.COMPOSITE, Speech)
-        assert len(speech) == 1, "both sessions' frames share one request"
-        r = speech[0]
-        assert r.batch == 6 and r.inputs.layout == "windows" and r.inputs.window == (32, 16, 16)
-        assert sorted(r.data.targets) == sorted((t, f + i) for t, f in zip(tokens, firsts) for i in range(3))
-        assert len(r.inputs.audio) == 6 * 32 * 16 * 16 * 4
-        r.images = {0: [f"speech-{t}-{k}".encode() for t, k in r.data.targets]}
-        live.done(r)
-        await asyncio.sleep((max(firsts) + 4) / FPS + 0.15)
-        for token, peer in zip(tokens, owners):
-            frames = [(h, d) for to, h, d in host.sent if to is peer and h.get("event") == "frame"]
-            indices = [h["index"] for h, _ in frames]
-            assert indices == list(range(len(indices))), "frames leave in order, none skipped"
-            kinds = {h["index"]: (h["kind"], d[0]) for h, d in frames}
-            first = firsts[tokens.index(token)]
-            for k in range(first, first + 3):
-                assert kinds[k] == ("speech", f"speech-{token}-{k}".encode()), kinds.get(k)
-            assert all(kind == "idle" for i, (kind, _) in kinds.items() if not first <= i < first + 3)
-        for token in tokens:
-            live.handle(_call("session_close", owners[tokens.index(token)], session=token), [])
-    asyncio.run(run())
+    live, host, clock = _live()
+    owners = [Peer("p0"), Peer("p1")]
+    tokens = [_open(live, p) for p in owners]
+    _finish_idle_renders(live, host)
+    firsts = [_audio(live, peer, token, 3)["first_frame"] for token, peer in zip(tokens, owners)]
+    assert not host.of(Kind.COMPOSITE, SpeechBatch), "frames wait (at most a frame period) for others to share"
+    clock.advance(1 / FPS)
+    speech = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert len(speech) == 1, "both sessions' frames share one request"
+    r = speech[0]
+    assert r.batch == 6 and r.inputs.layout == "windows" and r.inputs.window == (32, 16, 16)
+    assert sorted((t, k) for t, k, _ in r.data.targets) == sorted(
+        (t, f + i) for t, f in zip(tokens, firsts) for i in range(3))
+    assert len(r.inputs.audio) == 6 * 32 * 16 * 16 * 4
+    _composite(live, r, "speech")
+    clock.advance((max(firsts) + 4) / FPS + 0.1)
+    for token, peer in zip(tokens, owners):
+        frames = _frames(host, peer)
+        indices = [h["index"] for h, _ in frames]
+        assert indices == list(range(len(indices))), "frames leave in order, none skipped"
+        kinds = {h["index"]: (h["kind"], d[0]) for h, d in frames}
+        first = firsts[tokens.index(token)]
+        for k in range(first, first + 3):
+            assert kinds[k] == ("speech", f"speech-{token}-{k}".encode()), kinds.get(k)
+        assert all(kind == "idle" for i, (kind, _) in kinds.items() if not first <= i < first + 3)
+    for token in tokens:
+        live.handle(_call("session_close", owners[tokens.index(token)], session=token), [])
 
 
 def test_a_failed_speech_batch_goes_out_idle_and_counts_missed():
-    async def run():
-        live, host = _live()
-        owner = Peer("owner")
-        token = _open(live, owner)
-        _finish_idle_renders(live, host)
-        first = msgspec.json.decode(live.handle(_call("session_audio", owner, session=token),
-                                                [np.ones((2, 32, 16, 16), np.float32).tobytes()]))["first_frame"]
-        await asyncio.sleep(0.1)
-        live.failed(host.of(Kind.COMPOSITE, Speech)[0], "a worker died")
-        await asyncio.sleep((first + 3) / FPS + 0.15)
-        stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
-        assert stats["missed"] == 2 and stats["frames_speech"] == 0, stats
-    asyncio.run(run())
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    _finish_idle_renders(live, host)
+    first = _audio(live, owner, token, 2)["first_frame"]
+    clock.advance(1 / FPS)
+    live.failed(host.of(Kind.COMPOSITE, SpeechBatch)[0], "a worker died")
+    clock.advance((first + 3) / FPS + 0.1)
+    stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
+    assert stats["missed"] == 2 and stats["frames_speech"] == 0, stats
+
+
+def test_a_cut_utterance_in_flight_never_fills_the_next_utterances_frames():
+    """Barge-in: the batch of utterance 1 still being composited when it is interrupted comes back after
+    utterance 2 was placed on the same frames; those frames are utterance 2's, or idle, never 1's."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    _finish_idle_renders(live, host)
+    one = _audio(live, owner, token, 20, utterance=1)
+    clock.advance(1 / FPS)
+    [cut] = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert {u for _, _, u in cut.data.targets} == {1}
+    interrupted = msgspec.json.decode(live.handle(_call("session_interrupt", owner, session=token), []))
+    assert interrupted["dropped"] == 20 and interrupted["utterance"] == 1
+    two = _audio(live, owner, token, 20, utterance=2)
+    assert two["utterance"] == 2 and two["first_frame"] < one["first_frame"] + 20, "the two overlap on the timeline"
+    clock.advance(1 / FPS)
+    _composite(live, host.of(Kind.COMPOSITE, SpeechBatch)[1], "two")
+    _composite(live, cut, "cut")   # utterance 1's images arrive last, on frames that utterance 2 holds
+    clock.advance((two["first_frame"] + 22) / FPS)
+    frames = _frames(host, owner)
+    assert not [h for h, d in frames if d[0].startswith(b"cut")], "a frame of the interrupted utterance went out"
+    speech = [h for h, d in frames if h["kind"] == "speech"]
+    assert len(speech) == 20 and all(h["utterance"] == 2 for h in speech)
+
+
+def test_chunks_of_a_retired_utterance_are_never_rendered():
+    """Chunks sent before the interrupt that retired their utterance, arriving after it: dropped, said
+    so in the reply; ids that cannot come now are refused with what to do."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    _finish_idle_renders(live, host)
+    _audio(live, owner, token, 3, utterance=1)
+    live.handle(_call("session_interrupt", owner, session=token, utterance=1), [])
+    late = _audio(live, owner, token, 3, utterance=1)
+    assert late["retired"] and late["frames"] == 0
+    clock.advance(2.0)
+    assert not [h for h, _ in _frames(host, owner) if h["kind"] == "speech"]
+    assert sum(r.batch for r in host.of(Kind.COMPOSITE, SpeechBatch)) == 0, "the cut speech was still inferred"
+    # an interrupt may retire an utterance whose chunks have not come yet (the client cut it first)
+    live.handle(_call("session_interrupt", owner, session=token, utterance=3), [])
+    assert _audio(live, owner, token, 2, utterance=2)["retired"]
+    assert _audio(live, owner, token, 2, utterance=3)["retired"]
+    assert _audio(live, owner, token, 2, utterance=4)["utterance"] == 4
+    with pytest.raises(RequestError) as err:
+        _audio(live, owner, token, 1, utterance=5)
+    assert err.value.code is ErrorCode.BAD_REQUEST and "still being received" in err.value.message
+    _audio(live, owner, token, 1, utterance=4, last=True)
+    with pytest.raises(RequestError) as err:
+        _audio(live, owner, token, 1, utterance=4)
+    assert "ended already" in err.value.message
+
+
+def test_an_interrupt_takes_the_sessions_frames_out_of_a_shared_batch():
+    """Window sessions on one model share a batch: an interrupt removes its own frames from it, not the
+    other session's."""
+    live, host, clock = _live()
+    a, b = Peer("a"), Peer("b")
+    ta, tb = _open(live, a), _open(live, b)
+    _finish_idle_renders(live, host)
+    _audio(live, a, ta, 3)
+    _audio(live, b, tb, 3)
+    live.handle(_call("session_interrupt", a, session=ta), [])
+    clock.advance(1 / FPS)
+    [r] = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert {t for t, _, _ in r.data.targets} == {tb} and r.batch == 3
 
 
 @pytest.mark.parametrize("op", ["session_audio", "session_interrupt", "session_keyframe", "session_stats",
                                 "session_close"])
 def test_another_connection_cannot_drive_a_session(op):
-    async def run():
-        live, _ = _live()
-        token = _open(live, Peer("owner"))
-        payload = [np.ones((1, 32, 16, 16), np.float32).tobytes()] if op == "session_audio" else []
-        with pytest.raises(RequestError) as err:
-            live.handle(_call(op, Peer("intruder"), session=token), payload)
-        assert err.value.code is ErrorCode.BAD_REQUEST and "no open session" in err.value.message
-        assert live.table.get(token) is not None
-    asyncio.run(run())
+    live, _, _ = _live()
+    token = _open(live, Peer("owner"))
+    payload = [np.ones((1, 32, 16, 16), np.float32).tobytes()] if op == "session_audio" else []
+    with pytest.raises(RequestError) as err:
+        live.handle(_call(op, Peer("intruder"), session=token), payload)
+    assert err.value.code is ErrorCode.BAD_REQUEST and "no open session" in err.value.message
+    assert live.table.get(token) is not None
 
 
 def test_rates_a_stream_cannot_keep_are_refused():
-    async def run():
-        live, host = _live()
-        with pytest.raises(RequestError) as err:
-            _open(live, Peer("p"), fps=0.5)
-        assert err.value.code is ErrorCode.BAD_REQUEST and "header.fps" in err.value.message
-        assert not host.submitted and not len(live.table)
-    asyncio.run(run())
+    live, host, _ = _live()
+    with pytest.raises(RequestError) as err:
+        _open(live, Peer("p"), fps=0.5)
+    assert err.value.code is ErrorCode.BAD_REQUEST and "header.fps" in err.value.message
+    assert not host.submitted and not len(live.table)

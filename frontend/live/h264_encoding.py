@@ -10,11 +10,11 @@ ready compositor and its next frame is an IDR.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from config.assets import frame_index
+from frontend.core.alarm import LOOP_CLOCK, Clock
 from frontend.core.request import Kind, Request
 from frontend.live.h264_plan import ENCODE_AHEAD_FRAMES, H264Stream
 from frontend.live.host import Host
@@ -32,7 +32,7 @@ class EncodeJob:
     """An engine `render` request's own data: a session's frames for its encoder."""
     token: str
     message: EncodeFrames
-    decided: float = 0.0      # when its frames were decided (time.monotonic())
+    decided: float = 0.0      # when its frames were decided (the clock's time)
 
 
 @dataclass
@@ -52,8 +52,9 @@ class H264Sessions:
     `arm()` re-arms the pacer after a session was woken early."""
 
     def __init__(self, host: Host, cfg: Any, table: SessionTable, idle: IdleCache, metrics: Any,
-                 send: Callable[..., bool], arm: Callable[[], None]):
+                 send: Callable[..., bool], arm: Callable[[], None], clock: Clock = LOOP_CLOCK):
         self.host, self.cfg, self.table, self.idle, self.metrics = host, cfg, table, idle, metrics
+        self.clock = clock
         self._send, self._arm = send, arm
         self._skipped = metrics.session_frames.labels("skipped")
 
@@ -108,7 +109,7 @@ class H264Sessions:
             positions = range(start, min(start + stream.chunk, stream.period))
             message = EncodeLoop(req=0, model=spec.id, version=spec.version, settings=self.settings(session),
                                  frames=[frame_index(p, spec.frames, spec.order) for p in positions],
-                                 deadline=time.monotonic() + LOOP_TIMEOUT_S)
+                                 deadline=self.clock.now() + LOOP_TIMEOUT_S)
             request = Request(Kind.RENDER, spec.id, len(positions), deadline=message.deadline,
                               data=LoopJob(key, message))
             self.host.submit(request)
@@ -143,7 +144,7 @@ class H264Sessions:
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
                                settings=self.settings(session), items=items, deadline=deadline,
                                due=session.due(items[0].index))
-        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message, time.monotonic()),
+        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message, self.clock.now()),
                           compositor=stream.compositor)
         self.host.submit(request)
 
@@ -178,7 +179,7 @@ class H264Sessions:
         session = self.table.get(r.data.token)
         if session is None:
             return
-        now = time.monotonic()
+        now = self.clock.now()
         encode_ms = r.timing.get("composite_ms", 0.0)
         waited = max((r.answered.get("composite", now) - r.data.decided) * 1000 - encode_ms, 0.0)
         for item, au in zip(r.data.message.items, units):
@@ -199,4 +200,4 @@ class H264Sessions:
         for item in r.data.message.items:
             session.h264.lost(item.index)
         log.info("%d H.264 frame(s) of session %s were lost: %s", len(r.data.message.items), session.token, message)
-        self.flush(session, time.monotonic())
+        self.flush(session, self.clock.now())

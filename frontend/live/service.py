@@ -12,18 +12,16 @@ kept in a bounded cache: a silent session costs the send and nothing else, no in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from config.audio import AUDIO_SHAPE, SAMPLE_RATE, WINDOW_ROWS
 from frontend import protocol as P
-from frontend.core.alarm import Alarm
+from frontend.core.alarm import LOOP_CLOCK, Alarm, Clock
 from frontend.core.backlog import Backlogs
 from frontend.core.request import Inputs, Kind, Request, RequestError
 from frontend.live.h264_encoding import H264Sessions, frame_bytes
@@ -61,10 +59,10 @@ class Pin:
 
 
 @dataclass
-class Speech:
-    """An engine `composite` request of speech frames: each frame's (session, frame index), held by its
-    session until due instead of being replied."""
-    targets: list[tuple[str, int]]
+class SpeechBatch:
+    """An engine `composite` request of speech frames: each frame's (session, frame index, utterance),
+    held by its session until due instead of being replied."""
+    targets: list[tuple[str, int, Optional[int]]]
     format: str
 
 
@@ -80,8 +78,9 @@ def speech_stages(timing: dict, answered: dict) -> dict:
 
 
 class Live:
-    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None):
+    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, clock: Clock = LOOP_CLOCK):
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
+        self.clock = clock   # every time read and timer set here: the loop's, or a test's virtual one
         self.cfg = config.sessions
         # NOTE: the label lookup once, not per frame sent
         self._counted = {kind: metrics.session_frames.labels(kind)
@@ -90,8 +89,8 @@ class Live:
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
-        self.pacer = Alarm(self._tick)   # rings when the earliest session frame is due
-        self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm)
+        self.pacer = Alarm(self._tick, clock)   # rings when the earliest session frame is due
+        self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm, clock)
         if viewer is not None:
             self.attach_viewer(viewer)
         # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
@@ -122,9 +121,10 @@ class Live:
             return P.encode(P.SessionKeyframeReply(id=call.header.id, session=session.token,
                                                    frame=self.h264.keyframe(session)))
         if op is P.Op.SESSION_INTERRUPT:
-            self._pending.pop(session.token, None)
-            dropped = session.interrupt()
-            return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped))
+            dropped = session.interrupt(call.header.utterance)
+            self._unqueue(session)
+            return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped,
+                                                    utterance=session.retired))
         if op is P.Op.SESSION_CLOSE:
             self._close(session)
         return P.encode(P.SessionStatsReply(id=call.header.id, session=session.token, **session.stats.as_dict()))
@@ -162,7 +162,7 @@ class Live:
         if fps < MIN_FPS:   # the encoders' time base, and a stream that would send nothing for minutes
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.fps: {fps:g}; a live session runs at {MIN_FPS:g} to "
                                "60 frames/s", header.id)
-        now = time.monotonic()
+        now = self.clock.now()
         session = LiveSession(self.table.new_token(), spec.id, call.reply_to.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
                           max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
@@ -187,6 +187,13 @@ class Live:
     def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         spec = session.data.spec
         header = call.header
+        try:
+            admitted = session.admits(header.utterance)
+        except ValueError as err:
+            raise RequestError(ErrorCode.BAD_REQUEST, str(err), header.id) from None
+        if not admitted:   # sent before the interrupt that retired its utterance reached here: dropped
+            return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=session.next_index,
+                                                frames=0, utterance=header.utterance, retired=True))
         if session.audio_mode == "pcm16":
             return self._pcm(session, call, audio)
         per_frame = int(np.prod(spec.audio_shape)) if session.audio_mode == "window" else session.feature_shape[1]
@@ -200,7 +207,7 @@ class Live:
         if n > limit:
             raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {n} frames in one chunk, more than "
                                f"sessions.max_chunk_frames ({limit}); send smaller chunks", header.id)
-        now = time.monotonic()
+        now = self.clock.now()
         ahead = (max(session.speech_end, session.now_index(now)) + n - session.now_index(now)) / session.fps
         if ahead > self.cfg.max_ahead_s:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech would reach {ahead:.1f} s ahead of its "
@@ -208,12 +215,13 @@ class Live:
                                header.id)
         values = np.frombuffer(audio, "<f4").reshape(n, *shape)
         if session.audio_mode == "window":
-            first, work = session.windows(values, now, header.last)
+            first, work = session.windows(values, now, header.last, header.utterance)
         else:
-            first, work = session.features(values, header.last, now, spec.audio_shape)
+            first, work = session.features(values, header.last, now, spec.audio_shape, header.utterance)
         for frames, windows in work:
             self._infer(session, frames, windows)
-        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n))
+        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n,
+                                            utterance=session.latest_utterance))
 
     def _pcm(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         header = call.header
@@ -222,15 +230,16 @@ class Live:
             raise RequestError(ErrorCode.BAD_REQUEST, f"payload[0] (audio): {len(audio)} bytes; expected "
                                f"{session.sample_rate} Hz int16 "
                                f"PCM, at most {limit} samples (sessions.max_chunk_frames)", header.id)
-        now = time.monotonic()
+        now = self.clock.now()
         ahead = (session.speech_end - session.now_index(now)) / session.fps
         if ahead > self.cfg.max_ahead_s:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech reaches {ahead:.1f} s ahead of its "
                                f"stream (sessions.max_ahead_s); send audio in real time", header.id)
-        first, frames, ready = session.pcm(bytes(audio), header.last, now)
+        first, frames, ready = session.pcm(bytes(audio), header.last, now, header.utterance)
         # NOTE: per session (its frames index that utterance's encoder inputs); at `last` nothing more comes.
         self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=header.last)
-        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames))
+        return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames,
+                                            utterance=session.latest_utterance))
 
     def _infer_pcm(self, session: LiveSession, items: list) -> None:
         """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
@@ -252,16 +261,18 @@ class Live:
         backgrounds = [session.background(k) for k in frames]
         work = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(inputs, "<f4").tobytes(), "encoder",
                       rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt, quality=quality,
-                      enqueued=time.monotonic(), due=session.due(frames[0]))
+                      enqueued=self.clock.now(), due=session.due(frames[0]))
+        targets = [(session.token, k, session.utterance_at(k)) for k in frames]
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
-                          data=Speech([(session.token, k) for k in frames], fmt), inputs=work)
+                          data=SpeechBatch(targets, fmt), inputs=work)
         session.submitted(frames, work.enqueued)
         self.host.submit(request)
 
     def _infer(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
         """Speech windows of every session on the same model (and output format) share a batch."""
         key = self._key(session, -1)
-        items = [(session.token, k, session.background(k), session.due(k), w) for k, w in zip(frames, windows)]
+        items = [(session.token, k, session.background(k), session.due(k), w, session.utterance_at(k))
+                 for k, w in zip(frames, windows)]
         self._queue(key, items, lambda part: self._submit_batch(key, part), session)
 
     def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
@@ -279,7 +290,14 @@ class Live:
             self._flush(key, submit)
         elif pending and key not in self._flush_timers:
             wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
-            self._flush_timers[key] = asyncio.get_running_loop().call_later(wait, self._flush, key, submit)
+            self._flush_timers[key] = self.clock.call_at(self.clock.now() + wait, lambda: self._flush(key, submit))
+
+    def _unqueue(self, session: LiveSession) -> None:
+        """An interrupt: the session's speech frames waiting to share a batch go, wherever they wait
+        (its own pcm16 queue, or its model's window queue with other sessions' frames)."""
+        self._pending.pop(session.token, None)
+        for key, pending in self._pending.items():
+            pending[:] = [item for item in pending if item[0] != session.token]
 
     def _flush(self, key, submit) -> None:
         timer = self._flush_timers.pop(key, None)
@@ -295,12 +313,12 @@ class Live:
             return
         model, version, _, fmt, quality = key
         spec = self.table.get(items[0][0]).data.spec
-        audio = np.ascontiguousarray(np.stack([w for *_, w in items]), "<f4")
-        work = Inputs(model, version, [b for _, _, b, _, _ in items], audio.tobytes(), "windows",
-                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=time.monotonic(),
-                      due=min(due for *_, due, _ in items))
-        request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for *_, due, _ in items),
-                          data=Speech([(token, k) for token, k, *_ in items], fmt), inputs=work)
+        audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
+        work = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
+                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
+                      due=min(due for _, _, _, due, _, _ in items))
+        request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
+                          data=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt), inputs=work)
         for token, k, *_ in items:
             self.table.get(token).submitted([k], work.enqueued)
         self.host.submit(request)
@@ -339,7 +357,7 @@ class Live:
 
     def owns(self, r: Request) -> bool:
         """The engine requests live sessions make: speech batches, idle renders, model pins."""
-        return r.kind is Kind.RENDER or isinstance(r.data, (Pin, Speech))
+        return r.kind is Kind.RENDER or isinstance(r.data, (Pin, SpeechBatch))
 
     def render_message(self, r: Request):
         """The message an engine `idle` request sends to its compositor."""
@@ -378,18 +396,18 @@ class Live:
             self.host.free_images(r.req, r.image_slots)
         elif r.data.format == "i420":   # H.264 face boxes: they go on to the session's encoder
             images = [frame_bytes(img) for img in images]
-        now = time.monotonic()
+        now = self.clock.now()
         stages = speech_stages(r.timing, r.answered)
-        for (token, k), image in zip(r.data.targets, images):
+        for (token, k, utterance), image in zip(r.data.targets, images):
             session = self.table.get(token)
             if session is not None:
-                session.ready([k], [image], stages, now)
+                session.ready(k, utterance, image, stages, now)
 
     def speech_failed(self, r: Request, message: str) -> None:
-        for token, k in r.data.targets:
+        for token, k, utterance in r.data.targets:
             session = self.table.get(token)
             if session is not None:
-                session.failed([k])   # it goes out idle, counted as missed; the stream goes on
+                session.failed(k, utterance)   # it goes out idle, counted as missed; the stream goes on
         log.info("%d session speech frame(s) failed: %s", len(r.data.targets), message)
 
     def idle_done(self, r: Request) -> None:
@@ -438,7 +456,7 @@ class Live:
             # NOTE: due when the session needs the first of them: compositors take it in turn with
             # speech, never starved behind it
             render = IdleRender(keys, spec.id, spec.version, [b for _, b, _ in part], fmt, quality, part[0][2])
-            request = Request(Kind.RENDER, spec.id, len(part), deadline=time.monotonic() + RENDER_TIMEOUT_S,
+            request = Request(Kind.RENDER, spec.id, len(part), deadline=self.clock.now() + RENDER_TIMEOUT_S,
                               data=render)
             self.host.submit(request)
 
@@ -449,7 +467,7 @@ class Live:
         # NOTE: every session due within PACER_SLACK_S goes now, in one pass: one timer per tick
         # instead of one per session and frame (sessions' frame times are staggered), at the price of
         # frames leaving up to PACER_SLACK_S early.
-        now = time.monotonic()
+        now = self.clock.now()
         horizon = now + PACER_SLACK_S
         for session in self.table.due(horizon):
             if session.h264 is not None:

@@ -140,7 +140,8 @@ class LiveSession:
         self._utterance_start = 0            # ... its frame 0 on the timeline
         self._utterance_pcm = bytearray()    # ... its samples, for each frame's audio out
         self._utterance_done = 0             # ... its frames handed out for inference
-        self._utterances = 0
+        self._utterances = 0                 # the highest utterance id so far (the client's, or counted here)
+        self.retired = 0                     # every utterance up to this id was interrupted: never rendered
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
         self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
@@ -166,10 +167,26 @@ class LiveSession:
         self.speech_end = first + n
         return first
 
-    def _begin(self) -> int:
-        """The utterance a chunk belongs to: the one being received, else a new one."""
+    def admits(self, utterance: Optional[int]) -> bool:
+        """Whether a chunk of `utterance` (the client's id; None: the one being received, else the next)
+        is rendered: False for one that was interrupted. ValueError for an id that cannot come now."""
+        if utterance is None:
+            return True
+        if utterance <= self.retired:
+            return False
+        if self._utterance is not None and utterance != self._utterance:
+            raise ValueError(f"header.utterance: {utterance} while utterance {self._utterance} is still being "
+                             "received; end that one first (last: true) or interrupt it")
+        if self._utterance is None and utterance <= self._utterances:
+            raise ValueError(f"header.utterance: {utterance} has ended already; a new utterance needs a higher id "
+                             f"(> {self._utterances})")
+        return True
+
+    def _begin(self, utterance: Optional[int] = None) -> int:
+        """The utterance a chunk belongs to: the one being received, else a new one (`utterance`: the
+        client's id for it, checked by `admits`)."""
         if self._utterance is None:
-            self._utterances += 1
+            self._utterances = utterance if utterance is not None else self._utterances + 1
             self._utterance = self._utterances
         return self._utterance
 
@@ -182,23 +199,23 @@ class LiveSession:
             self.speech.setdefault(self.next_index, Speech(0.0, utterance=self._utterance, tail=True)).last = True
         self._utterance = None
 
-    def windows(self, audio: np.ndarray, now: float,
-                last: bool = False) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
+    def windows(self, audio: np.ndarray, now: float, last: bool = False,
+                utterance: Optional[int] = None) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
         """Window mode: a chunk [n, *A] -> (first frame, [(frames, windows)]) ready for inference."""
         first = self.place(len(audio), now)
         frames = list(range(first, first + len(audio)))
-        utterance = self._begin()
+        utterance = self._begin(utterance)
         for k in frames:
             self.speech[k] = Speech(now, utterance=utterance)
         if last:
             self._end(frames[-1])
         return first, [(frames, audio)]
 
-    def features(self, rows: np.ndarray, last: bool, now: float,
-                 audio_shape: tuple[int, ...]) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
+    def features(self, rows: np.ndarray, last: bool, now: float, audio_shape: tuple[int, ...],
+                 utterance: Optional[int] = None) -> tuple[int, list[tuple[list[int], np.ndarray]]]:
         """Features mode: n vectors [n, F] -> (first frame they drive, windows now computable)."""
         first = self.place(len(rows), now)
-        utterance = self._begin()
+        utterance = self._begin(utterance)
         for i, row in enumerate(rows):
             self._rows.append(np.asarray(row, np.float32))
             self._row_frame.append(first + i)
@@ -220,7 +237,7 @@ class LiveSession:
     def _window(self, j: int) -> np.ndarray:
         return gather_rows(np.stack(self._rows), [window_rows(j, len(self._rows))])[0]
 
-    def pcm(self, chunk: bytes, last: bool, now: float):
+    def pcm(self, chunk: bytes, last: bool, now: float, utterance: Optional[int] = None):
         """pcm16 mode: a chunk of int16 PCM at the session's rate. Returns (first frame its audio plays
         in, frames it spans, ready) where ready is [(stream, frame, rows)]: each frame now computable,
         with the utterance's stream (its encoder inputs, from a 16 kHz copy) and the frame's window rows
@@ -230,7 +247,7 @@ class LiveSession:
         if self._stream is None:
             if not chunk:   # an empty `last` with nothing before it: no utterance
                 return max(self.speech_end, self.now_index(now) + self.lead), 0, []
-            self._utterance = self._begin()
+            self._utterance = self._begin(utterance)
             self._stream = PcmStream(f"{self.token}/{self._utterance}")
             self._resampler = Resampler(self.sample_rate) if self.sample_rate != SAMPLE_RATE else None
             # Speech lands by the audio in hand: frame 0 needs PCM_LOOKAHEAD_SAMPLES; those not here yet
@@ -275,23 +292,46 @@ class LiveSession:
         piece = bytes(memoryview(self._utterance_pcm)[i * size:(i + 1) * size])
         return piece + bytes(size - len(piece))
 
-    def interrupt(self) -> int:
-        """Drop speech not yet sent; idle follows, the first idle frame marked as the utterance's last.
-        Returns how many frames were dropped."""
-        dropped = [k for k in self.speech if k >= self.next_index]
+    def interrupt(self, upto: Optional[int] = None) -> int:
+        """Retire every utterance up to `upto` (default: every one so far): their speech not yet sent is
+        dropped, and chunks of them that arrive later are never rendered (`admits`). Idle follows, the
+        first idle frame marked as the cut utterance's last. Returns how many frames were dropped."""
+        upto = self._utterances if upto is None else upto
+        self.retired = max(self.retired, upto)
+        self._utterances = max(self._utterances, upto)
+        dropped = [k for k in self.speech if k >= self.next_index and (self.speech[k].utterance or 0) <= self.retired]
         count = sum(not self.speech[k].tail for k in dropped)
-        cut = max((self.speech[k].utterance or 0 for k in dropped), default=0) or self._utterance
+        open_cut = self._utterance is not None and self._utterance <= self.retired
+        cut = max((self.speech[k].utterance or 0 for k in dropped), default=0) or (self._utterance if open_cut else 0)
         for k in dropped:
             del self.speech[k]
-        if cut:   # the frame going out next tells the client that this utterance's playback ended here
+        if cut and self.next_index not in self.speech:
+            # the frame going out next tells the client that this utterance's playback ended here
             self.speech[self.next_index] = Speech(0.0, utterance=cut, last=True, tail=True)
-        self.speech_end = self.next_index
-        self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
-        self._stream = self._resampler = None
-        self._utterance = None
+        self.speech_end = max((k + 1 for k in self.speech), default=self.next_index)
+        if open_cut or self._utterance is None:
+            self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
+            self._stream = self._resampler = None
+            self._utterance = None
         return count
 
     # -- results and pacing ----------------------------------------------------------------------
+
+    @property
+    def latest_utterance(self) -> Optional[int]:
+        """The utterance the last chunk went to (ids only increase, so it is the highest so far)."""
+        return self._utterances or None
+
+    def utterance_at(self, k: int) -> Optional[int]:
+        """The utterance whose speech frame k holds (what its inference result must match)."""
+        speech = self.speech.get(k)
+        return speech.utterance if speech is not None else None
+
+    def _waiting(self, k: int, utterance: Optional[int]) -> Optional[Speech]:
+        # NOTE: a result is taken only by the utterance it was made for: a batch of an interrupted
+        # utterance still in flight must never fill a frame that a later utterance now holds.
+        speech = self.speech.get(k)
+        return speech if speech is not None and speech.utterance == utterance else None
 
     def submitted(self, frames: list[int], now: float) -> None:
         for k in frames:
@@ -299,20 +339,20 @@ class LiveSession:
             if speech is not None:
                 speech.submitted = now
 
-    def ready(self, frames: list[int], images: list, stages: Optional[dict] = None, now: float = 0.0) -> None:
-        """Composited. `stages`: the batch's own timings (ms from batch formed to composited)."""
-        for k, image in zip(frames, images):
-            speech = self.speech.get(k)
-            if speech is not None:
-                speech.image, speech.ready_at = image, now
-                if stages is not None and speech.submitted is not None:
-                    speech.stages = {"batching": (speech.submitted - speech.received) * 1000, **stages}
+    def ready(self, k: int, utterance: Optional[int], image: Any, stages: Optional[dict] = None,
+              now: float = 0.0) -> None:
+        """Frame k of `utterance` was composited. `stages`: the batch's own timings (ms from batch
+        formed to composited)."""
+        speech = self._waiting(k, utterance)
+        if speech is not None:
+            speech.image, speech.ready_at = image, now
+            if stages is not None and speech.submitted is not None:
+                speech.stages = {"batching": (speech.submitted - speech.received) * 1000, **stages}
 
-    def failed(self, frames: list[int]) -> None:
-        for k in frames:
-            speech = self.speech.get(k)
-            if speech is not None:
-                speech.failed = True
+    def failed(self, k: int, utterance: Optional[int]) -> None:
+        speech = self._waiting(k, utterance)
+        if speech is not None:
+            speech.failed = True
 
     def advance(self, now: float) -> list[Outgoing]:
         """Every frame due by `now` + `ahead`, in order: speech when ready, else idle (speech missed)."""

@@ -30,8 +30,8 @@ def _schema_message(err: msgspec.ValidationError) -> str:
     unknown = re.match(r"Object contains unknown field `(.+)`", body)
     if unknown:
         return (f"header.{unknown.group(1)}: unknown key; allowed keys are op, id, model, batch, start_frame, "
-                "format, quality, timeout_ms, audio_format, return_audio, session, fps, audio, last, webrtc, "
-                "sample_rate, pixel_format")
+                "format, quality, timeout_ms, audio_format, return_audio, session, fps, audio, last, utterance, "
+                "webrtc, sample_rate, pixel_format")
     if body.startswith("Invalid enum value") and where == "header.op":
         return f"header.op: unknown op; expected one of {', '.join(o.value for o in Op)}"
     if body.startswith("Object missing required field"):
@@ -127,6 +127,9 @@ def check_request(header: RequestHeader, payload: list, max_batch: int) -> None:
         raise _bad("header.webrtc: only with op session_open and format h264 (the viewer sends the H.264 stream)", rid)
     if header.sample_rate is not None and (header.op is not Op.SESSION_OPEN or header.audio != "pcm16"):
         raise _bad("header.sample_rate: only with op session_open and audio pcm16 (the PCM's rate)", rid)
+    if header.utterance is not None and header.op not in (Op.SESSION_AUDIO, Op.SESSION_INTERRUPT):
+        raise _bad("header.utterance: only with op session_audio (the utterance a chunk belongs to) or "
+                   "session_interrupt (the last utterance it retires)", rid)
     if header.pixel_format is not None and (header.op is not Op.SESSION_OPEN or header.format != "raw"):
         raise _bad("header.pixel_format: only with op session_open and format raw (the raw frames' layout)", rid)
 
