@@ -3,15 +3,20 @@
 
     stream = AvatarStream(endpoint, "demo", sample_rate=24000, pixel_format="rgb24")
     await stream.open()
-    await stream.say(pcm)          # int16 mono at sample_rate, as the TTS gives it: an utterance starts
-    await stream.end()             # the TTS finished it
+    u = stream.begin()             # an utterance starts (say() without one starts one too)
+    await stream.say(pcm, u)       # int16 mono at sample_rate, as the TTS gives it
+    await stream.end(u)            # the TTS finished it
+    await stream.interrupt()       # barge-in: every utterance so far is retired
     frame = await stream.next()    # every frame the server paces out: image, and its audio while speaking
 
-The TTS's utterances are counted as the server counts them (docs/protocol.md, "utterance"), so each
-frame says which utterance it plays, and `frame.ended` marks the one after which that utterance has
-played to its end. Frames of an interrupted utterance carry no audio. The first ~453 ms of an
-utterance (the model's look-ahead) is sent as one chunk: the server then places its first frame by
-the audio in hand, the latency budget ahead (a TTS faster than real time has it sooner than that).
+Each utterance has an id given here and sent with each of its chunks (docs/protocol.md, "utterance"),
+so each frame says which utterance it plays, and `frame.ended` marks the one after which that
+utterance has played to its end. An interrupt retires every utterance so far, here and at the
+server: samples of a retired utterance said later (audio that was on its way when the user barged
+in) are dropped, and its frames still on their way from the server come out with no audio and, in
+place of its speech image, the avatar's last idle frame. The first ~453 ms of an utterance (the
+model's look-ahead) is sent as one chunk: the server then places its first frame by the audio in
+hand, the latency budget ahead (a TTS faster than real time has it sooner than that).
 """
 
 from __future__ import annotations
@@ -56,18 +61,22 @@ class AvatarStream:
         self.width = self.height = 0
         self.fps = 25.0
         self._opened = False
-        self._utterances = 0                  # the server's utterance ids, counted as it counts them
-        self._speaking = False                # the TTS is in an utterance
-        self._id: Optional[int] = None        # ... its id, once its first chunk went to the server
+        self._last_id = 0                     # the highest utterance id given out
+        self.retired = 0                      # every utterance up to this id was interrupted
+        self._id: Optional[int] = None        # the utterance being said
+        self._sent = False                    # ... whether any of it went to the server
         self._head: Optional[bytearray] = None   # ... its first samples, until the look-ahead is in hand
         self._head_needed = -(-LOOKAHEAD_SAMPLES * sample_rate // SAMPLE_RATE)
         self.playing: set[int] = set()        # said, and not yet played to its last frame
+        self._idle_image: Optional[bytes] = None   # the last idle frame (shown in place of cut speech)
 
     async def open(self) -> dict:
         try:
             await self._session.__aenter__()
-        except (ServerError, ClientTimeout) as err:
+        except (ServerError, ClientTimeout, asyncio.CancelledError) as err:
             await self._session.__aexit__(None, None, None)
+            if isinstance(err, asyncio.CancelledError):
+                raise
             raise AvatarGone(f"lip-sync server {self.endpoint}: opening a session of model {self.model!r} "
                              f"failed: {err}") from err
         self._opened = True
@@ -80,60 +89,85 @@ class AvatarStream:
             self._opened = False
             await self._session.__aexit__(None, None, None)
 
-    async def say(self, pcm: np.ndarray) -> None:
-        """More of the utterance being spoken (a new one if none is)."""
+    @property
+    def speaking(self) -> Optional[int]:
+        """The utterance being said (begun, not yet ended or interrupted)."""
+        return self._id
+
+    def begin(self) -> int:
+        """A new utterance; the one being said, if any, is left for `end` (its chunks are refused now)."""
+        self._last_id += 1
+        self._id, self._sent, self._head = self._last_id, False, bytearray()
+        return self._id
+
+    async def say(self, pcm: np.ndarray, utterance: Optional[int] = None) -> bool:
+        """More of `utterance` (default: the one being said, else a new one). False when it is not being
+        said (interrupted, or ended): its samples are dropped."""
+        if utterance is None:
+            utterance = self._id if self._id is not None else self.begin()
+        if utterance != self._id:
+            return False
         pcm = np.ascontiguousarray(pcm, "<i2")
         if not len(pcm):
-            return
-        if not self._speaking:
-            self._speaking, self._id, self._head = True, None, bytearray()
+            return True
         if self._head is not None:
             self._head += pcm.tobytes()
             if len(self._head) // 2 < self._head_needed:
-                return
+                return True
             pcm, self._head = np.frombuffer(bytes(self._head), "<i2"), None
-        await self._send(pcm, last=False)
+        await self._send(utterance, pcm, last=False)
+        return True
 
-    async def end(self) -> Optional[int]:
-        """The TTS finished the utterance: the server marks its last frame. Returns its id (None: it
-        was empty, nothing will mark it)."""
-        if not self._speaking:
+    async def end(self, utterance: Optional[int] = None) -> Optional[int]:
+        """The TTS finished `utterance` (default: the one being said): the server marks its last frame.
+        Returns its id (None: it said nothing, or it was not being said: nothing will mark it)."""
+        if self._id is None or utterance not in (None, self._id):
             return None
-        head = np.frombuffer(bytes(self._head or b""), "<i2")
-        if self._id is None and not len(head):
-            self._speaking = False
+        utterance, sent, head = self._id, self._sent, np.frombuffer(bytes(self._head or b""), "<i2")
+        # NOTE: the state changes before the await: what comes meanwhile (more audio, an interrupt) sees
+        # the utterance ended
+        self._id, self._head = None, None
+        if not sent and not len(head):
             return None
-        await self._send(head, last=True)
-        self._speaking, self._head = False, None
-        return self._id
+        await self._send(utterance, head, last=True)
+        return utterance
 
     async def interrupt(self) -> None:
-        """Barge-in: what was said and has not played yet is dropped; idle frames follow."""
-        self._speaking, self._head = False, None
+        """Barge-in: every utterance so far is retired, here and at the server: what was said and has
+        not played is dropped, and so is whatever of them is said later; idle frames follow."""
+        # NOTE: retired here before the request goes: a frame read meanwhile already counts as cut
+        self.retired = self._last_id
+        self._id, self._head = None, None
         self.playing.clear()
-        await self._call(self._session.interrupt())
+        await self._call(self._session.interrupt(self.retired or None))
 
-    async def _send(self, pcm: np.ndarray, last: bool) -> None:
-        if self._id is None:   # the utterance's first chunk: the server opens its next utterance
-            self._utterances += 1
-            self._id = self._utterances
-            self.playing.add(self._id)
-        await self._call(self._session.send_audio(pcm, last=last))
+    async def _send(self, utterance: int, pcm: np.ndarray, last: bool) -> None:
+        self._sent = True
+        self.playing.add(utterance)
+        await self._call(self._session.send_audio(pcm, last=last, utterance=utterance))
 
     async def next(self) -> AvatarFrame:
         """The next frame, as the server paces it (25 fps); AvatarGone when none comes for stall_s."""
-        try:
-            header, image, pcm = await asyncio.wait_for(self._session.frames.get(), self.stall_s)
-        except asyncio.TimeoutError:
-            raise AvatarGone(f"lip-sync server {self.endpoint} sent no frame for {self.stall_s:g}s: "
-                             "is it running?") from None
-        utterance = header.get("utterance")
-        if utterance not in self.playing:
-            return AvatarFrame(header["index"], image, None, None, False)
-        ended = bool(header.get("last"))
-        if ended:
-            self.playing.discard(utterance)
-        return AvatarFrame(header["index"], image, pcm, utterance, ended)
+        while True:
+            try:
+                header, image, pcm = await asyncio.wait_for(self._session.frames.get(), self.stall_s)
+            except asyncio.TimeoutError:
+                raise AvatarGone(f"lip-sync server {self.endpoint} sent no frame for {self.stall_s:g}s: "
+                                 "is it running?") from None
+            utterance = header.get("utterance")
+            if header.get("kind") != "speech":
+                self._idle_image = image
+            elif utterance is not None and utterance <= self.retired:
+                # sent before the server had the interrupt: its speech image must not come out now
+                if self._idle_image is None:
+                    continue
+                image = self._idle_image
+            if utterance not in self.playing:
+                return AvatarFrame(header["index"], image, None, None, False)
+            ended = bool(header.get("last"))
+            if ended:
+                self.playing.discard(utterance)
+            return AvatarFrame(header["index"], image, pcm, utterance, ended)
 
     async def _call(self, request) -> None:
         try:

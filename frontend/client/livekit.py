@@ -6,7 +6,12 @@
     runner = AvatarRunner(room, audio_recv=audio_in, video_gen=gen, options=gen.options())
 
 `push_audio(rtc.AudioFrame)` feeds the session's current utterance (at the session's rate: the agent
-TTS's), `push_audio(AudioSegmentEnd())` ends it, `clear_buffer()` interrupts (barge-in). Iterating
+TTS's), `push_audio(AudioSegmentEnd())` ends it, `clear_buffer()` interrupts (barge-in): every
+utterance so far is retired, at the server too, so nothing of it is played after the runner reports
+`playback_finished(interrupted=True)`, and the position it reports is the audio this generator
+yielded. In the agent's own process (`start_in_process`) the agent's audio output stamps each frame
+with how many times it was cleared before it captured it: a frame captured before a clear and pushed
+here after it (the runner had it in hand) is dropped, not said as a new utterance. Iterating
 it yields, at 25 fps, an `rtc.VideoFrame` for every frame (I420 straight from the server's I420
 backgrounds, or RGBA: no conversion here), after each frame of an utterance that frame's own
 `rtc.AudioFrame` (the samples the TTS made), and `AudioSegmentEnd` after the utterance's last frame,
@@ -38,6 +43,25 @@ from frontend.client.avatar import AvatarStream
 from frontend.client.wire import DEFAULT_ENDPOINT
 
 BUFFER = {"i420": rtc.VideoBufferType.I420, "rgba": rtc.VideoBufferType.RGBA}
+CLEARS = "lipsync.clears"   # rtc.AudioFrame.userdata: how many clear_buffer calls came before its capture
+
+
+class ClearCountingAudioOutput(QueueAudioOutput):
+    """The agent's audio output for an in-process avatar (QueueAudioOutput), stamping each frame it
+    captures with how many times its buffer was cleared before: what the generator needs to tell cut
+    speech from new speech whatever the order in which the runner's tasks run."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.clears = 0
+
+    async def capture_frame(self, frame: rtc.AudioFrame) -> None:
+        frame.userdata[CLEARS] = self.clears
+        await super().capture_frame(frame)
+
+    def clear_buffer(self) -> None:
+        self.clears += 1   # NOTE: before the runner hears of it (it calls the generator from a task)
+        super().clear_buffer()
 
 
 class LipsyncVideoGenerator(VideoGenerator):
@@ -49,6 +73,8 @@ class LipsyncVideoGenerator(VideoGenerator):
                                     curve=curve, start_frame=start_frame)
         self._buffer = BUFFER[pixel_format]
         self._out: asyncio.Queue = asyncio.Queue()   # AudioSegmentEnd for utterances that said nothing
+        self._source: Optional[ClearCountingAudioOutput] = None   # start_in_process: the agent's audio output
+        self._cleared = 0          # clears applied to the session (the source's count, when there is one)
 
     @property
     def sample_rate(self) -> int:
@@ -67,7 +93,16 @@ class LipsyncVideoGenerator(VideoGenerator):
     async def aclose(self) -> None:
         await self._stream.close()
 
+    def follow(self, source: ClearCountingAudioOutput) -> None:
+        """Take the clear count of the audio output that feeds this generator (start_in_process)."""
+        self._source = source
+
     async def push_audio(self, frame: Union[rtc.AudioFrame, AudioSegmentEnd]) -> None:
+        if isinstance(frame, rtc.AudioFrame) and self._source is not None and CLEARS in frame.userdata:
+            stamp = frame.userdata[CLEARS]
+            if stamp < self._source.clears:   # captured before a clear: the cut speech
+                return
+            await self._apply_clears(stamp)   # a clear the runner has not passed on yet: before this audio
         if isinstance(frame, AudioSegmentEnd):
             if await self._stream.end() is None:   # nothing of it was said: it has ended already
                 self._out.put_nowait(AudioSegmentEnd())
@@ -82,7 +117,12 @@ class LipsyncVideoGenerator(VideoGenerator):
         await self._stream.say(pcm)
 
     async def clear_buffer(self) -> None:
-        await self._stream.interrupt()
+        await self._apply_clears(self._source.clears if self._source is not None else self._cleared + 1)
+
+    async def _apply_clears(self, clears: int) -> None:
+        if clears > self._cleared:
+            self._cleared = clears
+            await self._stream.interrupt()
 
     def __aiter__(self) -> AsyncIterator[Union[rtc.VideoFrame, rtc.AudioFrame, AudioSegmentEnd]]:
         return self._frames()
@@ -107,7 +147,8 @@ async def start_in_process(agent_session, room: rtc.Room, *, endpoint: str = DEF
     `agent_session.start(...)`; close the returned runner (`aclose`) when the job ends."""
     generator = LipsyncVideoGenerator(endpoint, model, sample_rate=sample_rate, pixel_format=pixel_format)
     options = await generator.start()
-    audio = QueueAudioOutput(sample_rate=sample_rate)
+    audio = ClearCountingAudioOutput(sample_rate=sample_rate)
+    generator.follow(audio)
     agent_session.output.audio = audio
     runner = AvatarRunner(room, audio_recv=audio, video_gen=generator, options=options)
     await runner.start()

@@ -9,8 +9,11 @@ agent (extra `pipecat`: `pip install lipsync-serve[pipecat]`), in place of a clo
 
 It opens one live session (docs/protocol.md#live-sessions) when the pipeline starts and closes it at
 its end. It takes the TTS's audio (`TTSAudioRawFrame`, at the TTS's own rate), `TTSStartedFrame` /
-`TTSStoppedFrame` and `InterruptionFrame` (barge-in: `session_interrupt`), and passes every other
-frame on. Out, at the session's 25 fps: one `OutputImageRawFrame` (RGB) per frame, idle frames
+`TTSStoppedFrame` (an utterance's start and end) and `InterruptionFrame` (barge-in: every utterance so
+far is retired, `session_interrupt`), and passes every other frame on. Audio of an interrupted
+utterance that comes after the interruption (the TTS's frames still on their way) is dropped: audio
+of a TTS context that was cut, and, from a TTS that announces its utterances with `TTSStartedFrame`,
+any audio before its next one. Out, at the session's 25 fps: one `OutputImageRawFrame` (RGB) per frame, idle frames
 included, and with each frame of an utterance that frame's own samples as a `TTSAudioRawFrame` (the
 samples that came in, at their rate), so audio and video leave together and cannot drift; the
 `TTSStoppedFrame` is pushed after the utterance's last frame, so the bot "speaks" while its face does.
@@ -31,6 +34,7 @@ from pipecat.frames.frames import (
     OutputImageRawFrame,
     StartFrame,
     TTSAudioRawFrame,
+    TTSStartedFrame,
     TTSStoppedFrame,
 )
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
@@ -41,6 +45,7 @@ from frontend.client.avatar import STALL_S, AvatarGone, AvatarStream
 from frontend.client.wire import DEFAULT_ENDPOINT
 
 DRAIN_S = 30.0       # at the pipeline's end, how long what was said may still take to play
+CUT_CONTEXTS = 64    # TTS contexts remembered as cut (their late audio is dropped)
 
 
 class LipsyncVideoService(AIService):
@@ -55,6 +60,10 @@ class LipsyncVideoService(AIService):
         self._stream: Optional[AvatarStream] = None
         self._reader: Optional[asyncio.Task] = None
         self._stops: dict[int, TTSStoppedFrame] = {}   # held until that utterance's last frame is out
+        self._announced = False            # the TTS starts its utterances with TTSStartedFrame
+        self._cut = False                  # interrupted, and no TTSStartedFrame since
+        self._contexts: dict[str, None] = {}       # TTS contexts heard since the last stop (ordered set)
+        self._cut_contexts: dict[str, None] = {}   # TTS contexts an interruption cut (the latest CUT_CONTEXTS)
         self._played = asyncio.Event()     # set whenever nothing is left to play
         self.size: Optional[tuple[int, int]] = None    # the avatar's (width, height), once started
 
@@ -93,7 +102,7 @@ class LipsyncVideoService(AIService):
         stream = AvatarStream(self._endpoint, self._model, sample_rate=rate, pixel_format="rgb24",
                               curve=self._curve, start_frame=self._start_frame, stall_s=self._stall_s)
         try:
-            await stream.open()
+            await stream.open()   # (cancelled by an interruption, it closes what it opened)
         except AvatarGone as err:
             await self.push_error(error_msg=str(err), exception=err, force_treat_as_permanent=True)
             return
@@ -138,17 +147,48 @@ class LipsyncVideoService(AIService):
         await super().process_frame(frame, direction)
         if isinstance(frame, TTSAudioRawFrame) and direction == FrameDirection.DOWNSTREAM:
             await self._guard(self._speak(frame))
+        elif isinstance(frame, TTSStartedFrame) and direction == FrameDirection.DOWNSTREAM:
+            self._announced, self._cut = True, False
+            self._heard(frame.context_id)
+            if self._stream is not None and self._stream.speaking is None:
+                self._stream.begin()
+            await self.push_frame(frame, direction)
         elif isinstance(frame, TTSStoppedFrame) and direction == FrameDirection.DOWNSTREAM:
+            self._contexts.clear()
             await self._guard(self._end_utterance(frame))
         elif isinstance(frame, InterruptionFrame):
-            self._stops.clear()   # what was said and not yet played is dropped, its stops with it
+            self._interrupted()
             if self._stream is not None:
                 await self._guard(self._stream.interrupt())
             await self.push_frame(frame, direction)
         else:
             await self.push_frame(frame, direction)
 
+    def _interrupted(self) -> None:
+        """What was said and not yet played is dropped, its stops with it; the contexts heard since the
+        last stop are cut, and (from a TTS that announces its utterances) so is all audio until the next
+        TTSStartedFrame."""
+        self._stops.clear()
+        self._cut = True
+        self._cut_contexts.update(self._contexts)
+        self._contexts.clear()
+        while len(self._cut_contexts) > CUT_CONTEXTS:
+            del self._cut_contexts[next(iter(self._cut_contexts))]
+
+    def _heard(self, context: Optional[str]) -> None:
+        if context is not None:
+            self._contexts[context] = None
+
+    def _is_cut(self, frame: TTSAudioRawFrame) -> bool:
+        """Audio of an interrupted utterance, arriving after the interruption."""
+        if frame.context_id is not None:
+            return frame.context_id in self._cut_contexts
+        return self._cut and self._announced
+
     async def _speak(self, frame: TTSAudioRawFrame) -> None:
+        if self._is_cut(frame):
+            return
+        self._heard(frame.context_id)
         pcm = np.frombuffer(frame.audio, "<i2")
         if frame.num_channels > 1:   # the server takes mono: the channels' mean
             pcm = pcm.reshape(-1, frame.num_channels).mean(axis=1).astype("<i2")

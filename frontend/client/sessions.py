@@ -90,9 +90,11 @@ class Session:
                 return wire.parse(frames)[0]
         raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s")
 
-    def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
-        """Audio for n frames (or int16 PCM); the reply's `first_frame` says where it landed on the stream."""
-        return self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None)
+    def send_audio(self, audio: np.ndarray, last: bool = False, utterance: Optional[int] = None) -> dict:
+        """Audio for n frames (or int16 PCM); the reply's `first_frame` says where it landed on the stream.
+        `utterance`: the client's id for the utterance it belongs to (1, 2, ...: docs/protocol.md)."""
+        return self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None,
+                             utterance=utterance)
 
     def next_frame(self, timeout_s: Optional[float] = None) -> Optional[Frame]:
         if self._frames:
@@ -102,8 +104,9 @@ class Session:
             return None
         return _frame(frames)   # a frame, or another push (closed, error) with no image
 
-    def interrupt(self) -> int:
-        return self._request("session_interrupt", session=self.token)["dropped"]
+    def interrupt(self, utterance: Optional[int] = None) -> int:
+        """Barge-in: retire every utterance up to `utterance` (default: all so far); returns the frames dropped."""
+        return self._request("session_interrupt", session=self.token, utterance=utterance)["dropped"]
 
     def keyframe(self) -> int:
         """h264: the next frame decided is an IDR; returns its index."""
@@ -162,18 +165,20 @@ class AsyncSession:
     async def _request(self, op: str, payload=(), **fields) -> dict:
         rid = next(self._ids)
         future = self._waiting[rid] = asyncio.get_running_loop().create_future()
-        await self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
         try:
+            await self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
             return wire.parse(await asyncio.wait_for(future, self.timeout_s))[0]
         except asyncio.TimeoutError:
-            self._waiting.pop(rid, None)
             raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s") from None
+        finally:   # answered, timed out, or the caller was cancelled (a barge-in cancels a pending send)
+            self._waiting.pop(rid, None)
 
-    async def send_audio(self, audio: np.ndarray, last: bool = False) -> dict:
-        return await self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None)
+    async def send_audio(self, audio: np.ndarray, last: bool = False, utterance: Optional[int] = None) -> dict:
+        return await self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None,
+                                   utterance=utterance)
 
-    async def interrupt(self) -> int:
-        return (await self._request("session_interrupt", session=self.token))["dropped"]
+    async def interrupt(self, utterance: Optional[int] = None) -> int:
+        return (await self._request("session_interrupt", session=self.token, utterance=utterance))["dropped"]
 
     async def keyframe(self) -> int:
         return (await self._request("session_keyframe", session=self.token))["frame"]
