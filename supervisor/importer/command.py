@@ -41,8 +41,9 @@ class Imported:
 
 def import_avatar(dataset: Path, out: Path, audio: str = "ave", checkpoint: Optional[Path] = None,
                   onnx_path: Optional[Path] = None, audio_encoder: Optional[Path] = None, force: bool = False,
-                  progress: bool = True) -> Imported:
-    """Check every input, then write the model directory `out` whole (ImportFailed says what is wrong)."""
+                  progress: bool = True, link: bool = True) -> Imported:
+    """Check every input, then write the model directory `out` whole (ImportFailed says what is wrong).
+    Frames are hard-linked where the file system allows (link=False: copied)."""
     bar = show_progress if progress else None
     out = Path(out)
     _check_out(out, force)
@@ -80,7 +81,7 @@ def import_avatar(dataset: Path, out: Path, audio: str = "ave", checkpoint: Opti
         onnx.save(unet, str(tmp / "model.onnx"))
         if encoder is not None:
             onnx.save(encoder, str(tmp / "audio_encoder.onnx"))
-        written = write_frames(data, tmp / "frames", bar)
+        written = write_frames(data, tmp / "frames", bar, link)
         write_crop_rects(data, tmp / "crop_rects.json")
         os.chmod(tmp, 0o755)   # mkdtemp's 0700 would hide the model from a server running as another user
         _publish(tmp, out)

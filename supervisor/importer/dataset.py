@@ -26,7 +26,8 @@ from config.schema import CompositingConfig
 from supervisor.importer import ImportFailed
 
 N_POINTS = 110
-_HEAD_BYTES = 64 * 1024   # a JPEG's frame header may follow its EXIF data
+_HEAD_BYTES = 4096            # holds a frame header as ffmpeg writes it: the first read of a frame
+_MAX_HEAD_BYTES = 64 * 1024   # a JPEG's frame header may follow its EXIF data
 _JPEG_END = b"\xff\xd9"
 _PNG_END = b"IEND\xaeB`\x82"
 DEFAULT_MAX_SIZE = (CompositingConfig().max_frame_width, CompositingConfig().max_frame_height)
@@ -110,23 +111,32 @@ def _box(path: Path) -> list[int]:
     return [x1, y1, x2, y1 + (x2 - x1)]
 
 
+def _header_size(f, path: Path) -> tuple[int, int]:
+    head = f.read(_HEAD_BYTES)
+    try:
+        return image_size(head, path)
+    except AssetError:
+        if len(head) < _HEAD_BYTES:
+            raise
+        return image_size(head + f.read(_MAX_HEAD_BYTES - _HEAD_BYTES), path)   # EXIF data before the header
+
+
 def _frame_size(path: Path) -> tuple[int, int]:
     """(width, height) from the header, and a check that the file ends as a whole image does."""
     try:
         with open(path, "rb") as f:
-            head = f.read(_HEAD_BYTES)
+            size = _header_size(f, path)
+            f.seek(0)
+            png = f.read(4) == b"\x89PNG"
             f.seek(max(f.seek(0, os.SEEK_END) - 32, 0))
             tail = f.read()
     except OSError as err:
         raise ImportFailed(f"{path}: cannot read it: {err.strerror}") from None
-    try:
-        size = image_size(head, path)
     except AssetError as err:
         raise ImportFailed(str(err)) from None
-    end = _PNG_END if head[:4] == b"\x89PNG" else _JPEG_END
-    if end not in tail:
-        raise ImportFailed(f"{path}: truncated: it does not end as a whole {'PNG' if end is _PNG_END else 'JPEG'} "
-                           "file does (copy it again, or extract the frames again)")
+    if (_PNG_END if png else _JPEG_END) not in tail:
+        raise ImportFailed(f"{path}: truncated: it does not end as a whole {'PNG' if png else 'JPEG'} file does "
+                           "(copy it again, or extract the frames again)")
     return size
 
 
@@ -163,11 +173,10 @@ def read_dataset(root: Path, progress: Optional[Progress] = None) -> Dataset:
     return Dataset([f for f, _ in pairs], rects, width, height, notes)
 
 
-def write_frames(dataset: Dataset, frames_dir: Path, progress: Optional[Progress] = None) -> str:
-    """Hard links to the dataset's frames (copies across file systems), named as they were.
-    Returns 'linked' or 'copied'."""
+def write_frames(dataset: Dataset, frames_dir: Path, progress: Optional[Progress] = None, link: bool = True) -> str:
+    """Hard links to the dataset's frames (copies across file systems, or with link=False), named as they
+    were. Returns 'linked' or 'copied'."""
     frames_dir.mkdir()
-    link = True
     every = max(1, len(dataset.frames) // 100)
     for i, src in enumerate(dataset.frames):
         dst = frames_dir / src.name
