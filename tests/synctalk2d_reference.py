@@ -34,7 +34,7 @@ class Net:
         gain = 10 ** self.rng.uniform(-1, 1) if scale is None else scale
         w = self._param(f"{name}.weight", lambda: self.rng.normal(0, gain * np.sqrt(2 / (cin // groups * k * k)),
                                                                     (cout, cin // groups, k, k)))
-        y = _conv(x, w, stride if isinstance(stride, tuple) else (stride, stride), pad, groups)
+        y = conv2d(x, w, stride if isinstance(stride, tuple) else (stride, stride), pad, groups)
         if bias:
             y += self._param(f"{name}.bias", lambda: self.rng.normal(0, gain, cout))[None, :, None, None]
         return y
@@ -105,7 +105,7 @@ def sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-def _conv(x, w, stride, pad, groups):
+def conv2d(x, w, stride, pad, groups):
     """Cross-correlation as torch's Conv2d computes it, one kernel tap at a time."""
     n, c, h, wd = x.shape
     cout, _, kh, kw = w.shape

@@ -27,7 +27,7 @@ from supervisor.importer import ImportFailed
 from supervisor.importer.checkpoint import CheckpointError, read_checkpoint, write_state_dict
 from supervisor.importer.command import import_avatar
 from tests.helpers import ROOT, base_config, decode_image, make_avatar, reference_composite, reference_visual, run_server
-from tests.synctalk2d_reference import Net, _conv
+from tests.synctalk2d_reference import Net, conv2d
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "synctalk2d"
 SIZE = (480, 360)
@@ -126,7 +126,7 @@ def test_reads_strided_views_as_torch_stores_them():
 def test_batch_norm_folds_into_the_convolution_as_torch_computes_it():
     expected = np.load(FIXTURES / "expected.npz")
     w, b = StateDictWeights(read_checkpoint(FIXTURES / "conv_bn.pth")).conv("0", (4, 3, 3, 3), True, "1", 1.0)
-    out = _conv(expected["input"].astype(np.float64), w, (1, 1), 1, 1) + b[None, :, None, None]
+    out = conv2d(expected["input"].astype(np.float64), w, (1, 1), 1, 1) + b[None, :, None, None]
     np.testing.assert_allclose(out, expected["output"], rtol=0, atol=1e-5)
     assert np.abs(expected["output"]).max() > 10   # the statistics are far from 0 and 1: a wrong fold would show
 
@@ -229,10 +229,6 @@ def test_png_frames_and_an_exported_onnx_in_place_of_the_checkpoint(tmp_path):
 
 
 # -- bad inputs -----------------------------------------------------------------------------------------
-
-def _renamed(state, old, new):
-    return {(new if k == old else k): v for k, v in state.items()}
-
 
 BAD_CHECKPOINTS = {
     "missing key": (lambda s: {k: v for k, v in s.items() if k != "up3.conv.double_conv.1.conv.4.running_var"},

@@ -42,6 +42,9 @@ class _Storage:
         self.kind, self.numel, self.base, self.offset = kind, numel, base, offset
         self.data: Optional[np.ndarray] = None
 
+    def __setstate__(self, state):
+        raise pickle.UnpicklingError("a storage has no state")
+
     def array(self) -> np.ndarray:
         if self.base is not None:   # a legacy view into another storage
             return self.base.array()[self.offset:self.offset + self.numel]
