@@ -228,6 +228,17 @@ def test_png_frames_and_an_exported_onnx_in_place_of_the_checkpoint(tmp_path):
         import_avatar(data, tmp_path / "models" / "h", onnx_path=tmp_path / "hubert.onnx", progress=False)
 
 
+def test_a_hubert_checkpoint_imports_as_a_model_that_takes_hubert_features(tmp_path, files):
+    data = make_dataset(tmp_path / "data", n=2)
+    done = import_avatar(data, tmp_path / "models" / "h", audio="hubert", checkpoint=files / "unet.pth",
+                         progress=False)
+    audio = onnx.load(str(done.out / "model.onnx")).graph.input[1]
+    assert [d.dim_value for d in audio.type.tensor_type.shape.dim[1:]] == [32, 32, 32]
+    with pytest.raises(ImportFailed, match="--audio-encoder makes ave features from speech; a hubert model takes"):
+        import_avatar(data, tmp_path / "models" / "h2", audio="hubert", checkpoint=files / "unet.pth",
+                      audio_encoder=files / "audio_visual_encoder.pth", progress=False)
+
+
 # -- bad inputs -----------------------------------------------------------------------------------------
 
 BAD_CHECKPOINTS = {
