@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup|avatars] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup|avatars|first_words|importer] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import tempfile
+from pathlib import Path
 
 from config import parse_config
 
@@ -18,12 +19,13 @@ from config import parse_config
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264",
-                                                         "startup", "avatars"], default="all")
+                                                         "startup", "avatars", "first_words", "importer"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog and startup benches")
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "lipsync-bench"))
     parser.add_argument("--runs", type=int, default=5, help="launches of the startup bench (the median is printed)")
+    parser.add_argument("--servers", type=int, default=10, help="fresh servers per case of the first_words bench")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
     parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions bench")
@@ -64,6 +66,13 @@ def main() -> int:
     if args.what in ("all", "cpu"):
         from bench import cpu
         results["cpu"] = cpu.run(models_dir, args.seconds)
+    # NOTE: not in `all`: each starts many servers (first_words) or writes a 5-minute avatar (importer)
+    if args.what == "first_words":
+        from bench import first_words
+        results["first_words"] = first_words.run(models_dir, args.servers)
+    if args.what == "importer":
+        from bench import importer
+        results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -247,7 +247,9 @@ class Compositor:
         With `scratch`, the copy lands in this process's one reusable frame buffer (libx264 copies
         what it encodes, so the buffer is free again once a frame is encoded)."""
         def load():
-            background, crop = assets.decode(frame)
+            # NOTE: through the store's BGR entry: decoded once for both copies, and the crop the
+            # inference workers read is in the store before an H.264 session's first speech needs it
+            background, crop, _ = self.store.fetch(assets.store_id, frame, lambda: assets.decode(frame))
             return to_i420(background), crop
         out = None
         if scratch:

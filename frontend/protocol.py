@@ -182,6 +182,7 @@ class SessionOpenReply(msgspec.Struct, kw_only=True):
     viewer_url: Optional[str] = None   # webrtc: the page that plays this session (valid while it is open)
     sample_rate: Optional[int] = None      # pcm16: the PCM's rate, in and out
     pixel_format: Optional[PixelFormat] = None   # raw: the frames' layout
+    ready_ms: float = 0.0          # how long the session took to be ready (model loaded and warm, frames rendered)
 
 
 class SessionAudioReply(msgspec.Struct, kw_only=True):

@@ -65,7 +65,8 @@ class LoadResult:
 class Registry:
     def __init__(self, device: str, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
-                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False):
+                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False,
+                 companions: Callable[[str], None] = lambda model: None):
         self.device = device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
@@ -73,6 +74,7 @@ class Registry:
         self._resolve = resolve          # model id -> onnx path, or None if unknown
         self._on_event = on_event        # (model, event, load_ms, nbytes)
         self._wake = wake                # called from the load thread when a load finishes
+        self._companions = companions    # (load thread) load and warm what the model runs with (its audio encoder)
         self.loaded: dict[str, Loaded] = {}
         self.loading: dict[str, cf.Future] = {}
         self.stats: dict[str, ModelStats] = {}
@@ -113,6 +115,7 @@ class Registry:
         try:
             runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin)
             runner.warm_up()
+            self._companions(model)
         except AssetError as err:
             return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
         except Exception as err:  # a model must never take the worker down

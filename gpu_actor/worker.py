@@ -60,11 +60,12 @@ class InferenceWorker:
         self._wake_lock = threading.Lock()
         self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, self._wake, inf.spin_threads)
+                                 self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
         self._encoders: dict[Path, tuple] = {}   # audio encoder file -> (session, input name)
+        self._encoders_lock = threading.Lock()   # the load thread fills it too
         self._features_cache: OrderedDict[tuple, np.ndarray] = OrderedDict()   # (utterance, input) -> [512]
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
@@ -292,12 +293,29 @@ class InferenceWorker:
         if path is None:
             raise AssetError(f"model {model} has no audio encoder: put audio_encoder.onnx in its directory or set "
                              "audio.encoder")
-        found = self._encoders.get(path)
-        if found is None:
-            inf = self.config.inference
-            session = make_session(path, self.device, inf.intra_op_threads, spin=inf.spin_threads)
-            found = self._encoders[path] = (session, session.get_inputs()[0].name)
+        with self._encoders_lock:
+            found = self._encoders.get(path)
+            if found is None:
+                inf = self.config.inference
+                session = make_session(path, self.device, inf.intra_op_threads, spin=inf.spin_threads)
+                found = self._encoders[path] = (session, session.get_inputs()[0].name)
         return found
+
+    def _warm_encoder(self, model: str) -> None:
+        """(The load thread) a model with an audio encoder loads it with the model and runs it once, so
+        a live session's first PCM does not pay for either on this worker's main thread."""
+        paths = model_paths(self.config, model)
+        if paths is None or paths.audio_encoder is None:
+            return
+        with self._encoders_lock:
+            warm = paths.audio_encoder in self._encoders
+        if warm:
+            return
+        try:
+            session, name = self._encoder(model)
+            session.run(None, {name: np.zeros(A.ENCODER_INPUT_SHAPE, np.float32)[None]})
+        except Exception as err:   # its PCM requests will fail with their own error; windows still work
+            log.warning("model %s: its audio encoder %s did not load: %s", model, paths.audio_encoder, err)
 
     def _visual_input(self, task: InferTask) -> np.ndarray:
         if task.visual is not None:

@@ -114,8 +114,19 @@ def _live(**sessions) -> tuple[Live, RecordingHost, VirtualClock]:
 
 
 def _open(live: Live, peer: Peer, **fields) -> str:
-    reply = msgspec.json.decode(live.handle(_call("session_open", peer, model="a", **fields), []))
-    return reply["session"]
+    """Open a session as the engine would answer: its model pinned on worker 0, its idle frames rendered."""
+    host = live.host
+    assert live.handle(_call("session_open", peer, model="a", **fields), []) is None, "answered before ready"
+    for r in host.of(Kind.LOAD, Pin):
+        if not r.results:
+            r.results = [SimpleNamespace(worker=0)]
+            live.done(r)
+    _finish_idle_renders(live, host)
+    return _replies(host, peer)[-1]["session"]
+
+
+def _replies(host: RecordingHost, peer: Peer) -> list[dict]:
+    return [h for to, h, _ in host.sent if to is peer and "event" not in h]
 
 
 def _audio(live: Live, peer: Peer, token: str, n: int, value: float = 1.0, **fields) -> dict:
@@ -141,18 +152,61 @@ def _frames(host: RecordingHost, peer: Peer) -> list[tuple[dict, list]]:
     return [(h, d) for to, h, d in host.sent if to is peer and h.get("event") == "frame"]
 
 
-def test_open_pins_the_model_and_prefetches_idle_frames():
-    live, host, _ = _live()
-    token = _open(live, Peer("owner"))
-    pins = host.of(Kind.LOAD, Pin)
-    assert len(pins) == 1 and pins[0].pin == 1 and pins[0].model == "a" and pins[0].data.token == token
+def test_open_answers_once_the_model_is_pinned_and_the_first_frames_are_rendered():
+    """A fresh session's first words: session_open is answered only when the session can deliver its
+    frames on time, so an utterance sent right after it meets no cold model, store or encoder."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    assert live.handle(_call("session_open", owner, model="a"), []) is None
+    [pin] = host.of(Kind.LOAD, Pin)
+    assert pin.pin == 1 and pin.model == "a"
     renders = host.of(Kind.RENDER)
     assert renders and sum(r.batch for r in renders) == len({b for r in renders for b in r.data.frames})
-    pins[0].results = [SimpleNamespace(worker=0)]
-    live.done(pins[0])
-    assert live.table.get(token).pinned_worker == 0
-    live.handle(_call("session_close", Peer("owner"), session=token), [])
+    clock.advance(0.5)
+    pin.results = [SimpleNamespace(worker=0)]
+    live.done(pin)
+    assert not _replies(host, owner), "answered before its first frames were rendered"
+    _finish_idle_renders(live, host)
+    [reply] = _replies(host, owner)
+    token = reply["session"]
+    assert reply["ok"] and reply["ready_ms"] == 500.0
+    session = live.table.get(token)
+    assert session.pinned_worker == 0 and session.t0 == pytest.approx(clock.now() + 0.1), "frame 0 from ready on"
+    # a second session on the same avatar finds it all done: answered at the pin
+    other = Peer("other")
+    assert live.handle(_call("session_open", other, model="a"), []) is None
+    assert len(host.of(Kind.RENDER)) == len(renders), "its frames are rendered already"
+    second = host.of(Kind.LOAD, Pin)[1]
+    second.results = [SimpleNamespace(worker=0)]
+    live.done(second)
+    assert _replies(host, other)[0]["ok"]
+    live.handle(_call("session_close", owner, session=token), [])
     assert host.unpinned == [(0, "a")] and live.table.get(token) is None
+
+
+def test_an_open_whose_model_cannot_load_or_be_ready_in_time_fails_and_holds_nothing():
+    live, host, clock = _live()
+    a, b, c = Peer("a"), Peer("b"), Peer("c")
+    live.handle(_call("session_open", a, model="a"), [])
+    live.failed(host.of(Kind.LOAD, Pin)[0], "model a: bad_request: model.onnx is not an ONNX model")
+    [error] = _replies(host, a)
+    assert not error["ok"] and error["error"]["code"] == "unavailable" and "not an ONNX model" in error["error"]["message"]
+    live.handle(_call("session_open", b, model="a"), [])
+    clock.advance(live.config.limits.request_timeout_s + 1)
+    [error] = _replies(host, b)
+    assert error["error"]["code"] == "timeout" and "limits.request_timeout_s" in error["error"]["message"]
+    pin = host.of(Kind.LOAD, Pin)[1]   # its load ends after all: nothing stays pinned for it
+    pin.results = [SimpleNamespace(worker=1)]
+    live.done(pin)
+    assert host.unpinned == [(1, "a")]
+    live.handle(_call("session_open", c, model="a"), [])   # its client goes while it opens
+    pin = host.of(Kind.LOAD, Pin)[2]
+    pin.results = [SimpleNamespace(worker=0)]
+    live.done(pin)
+    live.client_gone(c.conn)
+    assert host.unpinned == [(1, "a"), (0, "a")] and not len(live.table) and not live._opening
+    _finish_idle_renders(live, host)
+    assert not _replies(host, c)
 
 
 def test_speech_is_batched_across_sessions_then_paced_out_in_order():

@@ -95,6 +95,17 @@ class H264Sessions:
         spec = session.data.spec
         return ("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, start)
 
+    def loop_keys(self, session: LiveSession) -> set:
+        """The cache keys of the avatar's idle loop chunks (none without sessions.h264.idle_loop)."""
+        if not self.cfg.idle_loop:
+            return set()
+        return {self._loop_key(session, start) for start in range(0, session.h264.period, session.h264.chunk)}
+
+    @staticmethod
+    def loop_key_of(r: Request) -> tuple:
+        """The idle loop chunk an engine request encodes, as a set of cache keys (empty for a session's frames)."""
+        return (r.data.key,) if isinstance(r.data, LoopJob) else ()
+
     def prefetch(self, session: LiveSession) -> None:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""
         if not self.cfg.idle_loop:

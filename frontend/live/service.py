@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -50,6 +50,18 @@ class IdleRender:
     format: str
     quality: int
     due: float = 0.0   # when the first of them must go out
+
+
+@dataclass
+class Opening:
+    """A session_open not answered yet: its session waits for its model and first frames (`Live._open`)."""
+    session: LiveSession
+    call: OpenCall
+    timer: Any                 # fails the open past limits.request_timeout_s
+    format: str                # the frames' format (the header's, or output.format)
+    started: float             # when it was asked for
+    pinned: bool = False
+    awaiting: set = field(default_factory=set)   # the idle renders (cache keys) it waits for
 
 
 @dataclass
@@ -97,11 +109,13 @@ class Live:
         # quality) for windows, by session token for pcm16 sessions.
         self._pending: dict = {}
         self._flush_timers: dict = {}
+        self._opening: dict[str, Opening] = {}   # session_opens not answered yet (`_open`), by token
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def handle(self, call: OpenCall, payload: list) -> bytes:
-        """A session op's reply (RequestError for a refusal)."""
+    def handle(self, call: OpenCall, payload: list) -> Optional[bytes]:
+        """A session op's reply (RequestError for a refusal); None for a session_open, answered once its
+        session is ready (`_open`)."""
         op = call.header.op
         if op is P.Op.SESSION_OPEN:
             return self._open(call)
@@ -129,10 +143,11 @@ class Live:
             self._close(session)
         return P.encode(P.SessionStatsReply(id=call.header.id, session=session.token, **session.stats.as_dict()))
 
-    def _open(self, call: OpenCall) -> bytes:
+    def _open(self, call: OpenCall) -> None:
         header, spec = call.header, call.spec
-        if len(self.table) >= self.cfg.max_sessions:
-            raise RequestError(ErrorCode.OVERLOADED, f"{len(self.table)} sessions are open (sessions.max_sessions); "
+        if len(self.table) + len(self._opening) >= self.cfg.max_sessions:
+            raise RequestError(ErrorCode.OVERLOADED, f"{len(self.table) + len(self._opening)} sessions are open "
+                               "(sessions.max_sessions); "
                                "retry later or on another server", header.id)
         elements = int(np.prod(spec.audio_shape))
         mode = header.audio or "window"
@@ -169,20 +184,60 @@ class Live:
                           (WINDOW_ROWS, elements // WINDOW_ROWS), data=call, sample_rate=rate)
         if fmt == "h264":
             self.h264.open(session)
+        # NOTE: the reply waits until the session can deliver its frames on time: its model loaded and
+        # warm on a worker (and kept there while the session is open), its first idle frames (or its
+        # avatar's H.264 idle loop) rendered, which puts its backgrounds in the shared store. Answered
+        # at once, the first utterance of a cold model met all of that while its frames were due.
+        timeout_s = self.config.limits.request_timeout_s
+        opening = self._opening[session.token] = Opening(session, call, self.clock.call_at(
+            now + timeout_s, lambda: self._open_failed(session.token, ErrorCode.TIMEOUT,
+                                                       f"model {spec.id} was not ready to stream within {timeout_s:g}s "
+                                                       "(limits.request_timeout_s); retry")), fmt, now)
+        self.host.submit(Request(Kind.LOAD, spec.id, deadline=now + timeout_s, data=Pin(session.token), pin=1))
+        self._prefetch(session)
+        # the renders it waits for: its first PREFETCH_S of idle frames (h264: its avatar's idle loop),
+        # those it just asked for and those another session asked for before
+        keys = (self.h264.loop_keys(session) if session.h264 is not None else
+                {self._key(session, session.background(k)) for k in range(math.ceil(PREFETCH_S * session.fps))})
+        opening.awaiting = {key for key in keys if key in self.idle.rendering}
+        self._check_open(opening)
+        return None
+
+    def _check_open(self, opening: "Opening") -> None:
+        """Answer a session_open once its session is ready (`_open`)."""
+        session = opening.session
+        if not opening.pinned or opening.awaiting:
+            return
+        del self._opening[session.token]
+        opening.timer.cancel()
+        session.t0 = self.clock.now() + self.cfg.start_delay_ms / 1000
         self.table.add(session)
         self.metrics.sessions_open.set(len(self.table))
+        header, spec = opening.call.header, opening.call.spec
         viewer_url = self.viewer.open(session) if header.webrtc else None
-        # The model is loaded now (not at the first speech) and kept loaded while the session is open.
-        pin = Request(Kind.LOAD, spec.id, deadline=now + self.config.limits.request_timeout_s,
-                      data=Pin(session.token), pin=1)
-        self.host.submit(pin)
-        self._prefetch(session)
         self.arm()
-        return P.encode(P.SessionOpenReply(
-            id=header.id, session=session.token, fps=fps, width=spec.width, height=spec.height,
-            audio_shape=list(spec.audio_shape), feature_shape=[elements // WINDOW_ROWS], start_frame=header.start_frame,
-            format=fmt, viewer_url=viewer_url, sample_rate=rate if mode == "pcm16" else None,
-            pixel_format=(header.pixel_format or "bgr24") if fmt == "raw" else None))
+        self.host.send(opening.call.reply_to, P.encode(P.SessionOpenReply(
+            id=header.id, session=session.token, fps=session.fps, width=spec.width, height=spec.height,
+            audio_shape=list(spec.audio_shape), feature_shape=[session.feature_shape[1]],
+            start_frame=header.start_frame, format=opening.format, viewer_url=viewer_url,
+            sample_rate=session.sample_rate if session.audio_mode == "pcm16" else None,
+            pixel_format=(header.pixel_format or "bgr24") if opening.format == "raw" else None,
+            ready_ms=round((self.clock.now() - opening.started) * 1000, 1))))
+
+    def _open_failed(self, token: str, code: ErrorCode, message: str) -> None:
+        opening = self._opening.pop(token, None)
+        if opening is None:
+            return
+        opening.timer.cancel()
+        self._release(opening.session)
+        self.host.send(opening.call.reply_to, P.error_reply(opening.call.header.id, code, message))
+
+    def _opens_failed(self, keys, message: str) -> None:
+        """Renders a session being opened waits for failed: it fails, saying why."""
+        keys = set(keys)
+        for opening in [o for o in self._opening.values() if o.awaiting & keys]:
+            self._open_failed(opening.session.token, ErrorCode.UNAVAILABLE,
+                              f"model {opening.session.model}: its frames could not be rendered: {message}")
 
     def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
         spec = session.data.spec
@@ -328,15 +383,20 @@ class Live:
         timer = self._flush_timers.pop(session.token, None)
         if timer is not None:
             timer.cancel()
-        if session.pinned_worker is not None:
-            self.host.unpin(session.pinned_worker, session.model)
-        if session.h264 is not None:
-            self.h264.close(session)
+        self._release(session)
         if self.viewer is not None:
             self.viewer.close(session.token)
         self.table.pop(session.token)
         self.queued.closed(session.token)
         self.metrics.sessions_open.set(len(self.table))
+
+    def _release(self, session: LiveSession) -> None:
+        """What a session holds beyond its frames: its model's pin, its H.264 encoder."""
+        if session.pinned_worker is not None:
+            self.host.unpin(session.pinned_worker, session.model)
+            session.pinned_worker = None
+        if session.h264 is not None:
+            self.h264.close(session)
 
     def attach_viewer(self, viewer: Any) -> None:
         """The WebRTC viewer, once it runs (its host starts it after the first clients are served)."""
@@ -352,6 +412,10 @@ class Live:
     def client_gone(self, conn) -> None:
         for session in self.table.on_conn(conn):
             self._close(session)
+        for opening in [o for o in self._opening.values() if o.session.conn == conn]:
+            del self._opening[opening.session.token]
+            opening.timer.cancel()
+            self._release(opening.session)
 
     # -- engine results -------------------------------------------------------------------------
 
@@ -369,22 +433,37 @@ class Live:
 
     def done(self, r: Request) -> None:
         if r.kind is Kind.RENDER:
-            (self.idle_done if isinstance(r.data, IdleRender) else self.h264.done)(r)
+            if isinstance(r.data, IdleRender):
+                self.idle_done(r)
+            else:
+                self.h264.done(r)
+                self._check_opens(self.h264.loop_key_of(r))   # a session being opened may wait for it
         elif isinstance(r.data, Pin):
-            session = self.table.get(r.data.token)
+            opening = self._opening.get(r.data.token)
+            session = opening.session if opening is not None else self.table.get(r.data.token)
             worker = r.results[0].worker if r.results else None
             if session is None and worker is not None:   # closed before the load finished
                 self.host.unpin(worker, r.model)
             elif session is not None:
                 session.pinned_worker = worker
+            if opening is not None:
+                opening.pinned = True
+                self._check_open(opening)
         else:
             self.speech_done(r)
 
     def failed(self, r: Request, message: str) -> None:
         if r.kind is Kind.RENDER:
-            (self.idle_failed if isinstance(r.data, IdleRender) else self.h264.failed)(r, message)
+            if isinstance(r.data, IdleRender):
+                self.idle_failed(r, message)
+            else:
+                self.h264.failed(r, message)
+                self._opens_failed(self.h264.loop_key_of(r), message)
         elif isinstance(r.data, Pin):
-            log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
+            if r.data.token in self._opening:   # its model could not be loaded: the open fails, saying why
+                self._open_failed(r.data.token, ErrorCode.UNAVAILABLE, f"model {r.model}: {message}")
+            else:
+                log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
         else:
             self.speech_failed(r, message)
 
@@ -416,11 +495,20 @@ class Live:
         for key, image in zip(render.keys, images):
             self.idle.rendering.discard(key)
             self.idle.put(key, frame_bytes(image))
+        self._check_opens(render.keys)
 
     def idle_failed(self, r: Request, message: str) -> None:
         for key in r.data.keys:
             self.idle.rendering.discard(key)
         log.warning("encoding idle frames of model %s failed: %s", r.data.model, message)
+        self._opens_failed(r.data.keys, message)
+
+    def _check_opens(self, keys) -> None:
+        """These renders are done: the sessions being opened that waited for them may be ready."""
+        for opening in list(self._opening.values()):
+            if opening.awaiting:
+                opening.awaiting.difference_update(keys)
+                self._check_open(opening)
 
     # -- pacing ---------------------------------------------------------------------------------
 

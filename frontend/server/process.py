@@ -378,7 +378,8 @@ class Frontend(Shell):
             self._error(call.reply_to, header.id, err.code, err.message)
             return
         self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
-        self.send(call.reply_to, reply)
+        if reply is not None:   # (a session_open is answered by live/ once its session is ready)
+            self.send(call.reply_to, reply)
 
     async def _after_viewer(self, call: Call, payload: list) -> None:
         try:
