@@ -6,7 +6,8 @@
     python3 dev.py watch [ARGS...]  the server (as `run`), and the demo avatar talking in your browser
 
 Only the standard library is used here, so this works on a fresh machine with Python >= 3.10.
-The venv is refreshed whenever pyproject.toml changes (a hash is kept in .venv/.installed).
+The venv holds the client distribution (client/, installed first) and the server, both editable; it is
+refreshed whenever either pyproject.toml changes (a hash is kept in .venv/.installed).
 Extras: `LIPSYNC_EXTRAS=gpu` installs onnxruntime-gpu + cupy (and NVIDIA's CUDA runtime wheels)
 instead of onnxruntime, built for the CUDA major version this host's driver supports (13: extra
 `gpu`, 12: extra `gpu-cu12`); `LIPSYNC_EXTRAS=gpu-cu12` or `gpu-cu13` forces one.
@@ -15,13 +16,10 @@ instead of onnxruntime, built for the CUDA major version this host's driver supp
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import urllib.parse
-import urllib.request
 import venv
 from pathlib import Path
 
@@ -29,6 +27,9 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 PYTHON = VENV / "bin" / "python"
 STAMP = VENV / ".installed"
+CLIENT_PYPROJECT = "client/pyproject.toml"
+NO_PIP = ("{python} has no pip to set up {venv} with: install Debian's python3-venv (it brings ensurepip) or "
+          "python3-pip, or your system's equivalent, and run this again")
 
 
 def driver_cuda_version() -> tuple[int, int] | None:
@@ -71,22 +72,26 @@ def choose_extras(wanted: str, driver: tuple[int, int] | None) -> tuple[str, str
 
 
 def _want_stamp(extras: str) -> str:
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256(b"".join((ROOT / p).read_bytes() for p in ("pyproject.toml", CLIENT_PYPROJECT))).hexdigest()
     return f"{digest} {extras}"
 
 
 def _bootstrap_pip() -> None:
-    # NOTE: Debian's python3 ships without ensurepip (python3-venv); fetch pip's wheel from PyPI
-    # and run pip from the wheel itself, which is how get-pip works.
-    index = "https://pypi.org/pypi/pip/json"
-    with urllib.request.urlopen(index, timeout=60) as resp:
-        meta = json.load(resp)
-    # Mirrors may answer with relative file URLs: resolve them against the JSON's own address.
-    url = urllib.parse.urljoin(resp.url, next(f["url"] for f in meta["urls"] if f["filename"].endswith(".whl")))
+    """pip into a venv created without it (Debian's python3 ships without ensurepip: python3-venv), by
+    the system's pip, so that its own configuration (index, proxy, certificates) applies."""
+    system = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    try:
+        version = subprocess.run(system + ["--version"], capture_output=True, text=True, check=True).stdout.split()[1]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        raise SystemExit(NO_PIP.format(python=sys.executable, venv=VENV)) from None
+    if tuple(int(p) for p in version.split(".")[:2] if p.isdigit()) >= (22, 3):
+        subprocess.run(system + ["--python", str(PYTHON), "install", "-q", "pip"], check=True)
+        return
+    # NOTE: an older pip cannot install into another interpreter: it downloads pip's wheel, and pip
+    # runs from the wheel itself to install it, which is how get-pip works
     with tempfile.TemporaryDirectory() as tmp:
-        wheel = Path(tmp) / url.rsplit("/", 1)[1]
-        with urllib.request.urlopen(url, timeout=120) as resp:
-            wheel.write_bytes(resp.read())
+        subprocess.run(system + ["download", "-q", "--no-deps", "--only-binary", ":all:", "-d", tmp, "pip"], check=True)
+        (wheel,) = Path(tmp).glob("pip-*.whl")
         subprocess.run([str(PYTHON), f"{wheel}/pip", "install", "-q", str(wheel)], check=True)
 
 
@@ -108,16 +113,19 @@ def ensure_venv() -> None:
     # NOTE: the frameworks' extras only beside the CPU onnxruntime: pipecat-ai requires onnxruntime,
     # which would replace onnxruntime-gpu (the same module)
     frameworks = ",pipecat,livekit" if extras == "cpu" else ""
-    subprocess.run(pip + ["-e", f"{ROOT}[{extras},test{frameworks}]"], check=True)
+    # NOTE: the client first, in the same command: the server requires lipsync-client, which this
+    # checkout's client/ provides (editable), not an index
+    client = f"{ROOT / 'client'}[echo,livekit]" if frameworks else str(ROOT / "client")
+    subprocess.run(pip + ["-e", client, "-e", f"{ROOT}[{extras},test{frameworks}]"], check=True)
     STAMP.write_text(want)
 
 
 def watch(args: list[str]) -> int:
-    """The server, and the demo avatar talking in a browser (frontend.client watch) until Ctrl-C."""
+    """The server, and the demo avatar talking in a browser (lipsync_client watch) until Ctrl-C."""
     import signal
     server = subprocess.Popen([str(PYTHON), "-m", "supervisor", *args])
     try:
-        return subprocess.call([str(PYTHON), "-m", "frontend.client", "watch", "demo", "--wait", "600"])
+        return subprocess.call([str(PYTHON), "-m", "lipsync_client", "watch", "demo", "--wait", "600"])
     except KeyboardInterrupt:
         return 0
     finally:

@@ -1,4 +1,4 @@
-"""python -m bench.avatars [--seconds S]: the voice-agent integrations (frontend/client/pipecat.py,
+"""python -m bench.avatars [--seconds S]: the voice-agent integrations (lipsync_client/pipecat.py,
 livekit.py) against a server on the 1280x720 demo avatar.
 
 - What each adds per frame in the agent's process: its CPU time per frame (receiving the raw frame,
@@ -23,8 +23,8 @@ import numpy as np
 
 from config import parse_config
 from config.audio import SAMPLE_RATE, speech
-from frontend.client import AsyncSession
-from frontend.client.avatar import AvatarStream
+from lipsync_client import AsyncSession
+from lipsync_client.avatar import AvatarStream
 from tests.helpers import base_config, run_server
 
 RATE = 24000
@@ -130,7 +130,7 @@ async def _pipecat_per_frame(endpoint: str, model: str, seconds: float) -> tuple
     from pipecat.processors.frame_processor import FrameProcessor
     from pipecat.workers.runner import WorkerRunner
 
-    from frontend.client.pipecat import LipsyncVideoService
+    from lipsync_client.pipecat import LipsyncVideoService
     counted = {"frames": 0}
 
     class Sink(FrameProcessor):
@@ -166,7 +166,7 @@ async def _pipecat_per_frame(endpoint: str, model: str, seconds: float) -> tuple
 async def _livekit_per_frame(endpoint: str, model: str, seconds: float) -> tuple[int, float, float]:
     from livekit import rtc
 
-    from frontend.client.livekit import LipsyncVideoGenerator
+    from lipsync_client.livekit import LipsyncVideoGenerator
     generator = LipsyncVideoGenerator(endpoint, model, sample_rate=RATE)
     await generator.start()
     pcm = _tts(seconds + 1)

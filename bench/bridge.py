@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from frontend.client import Client
+from lipsync_client import Client
 from tests.helpers import base_config, bridge_configs, bridge_keys, free_port, gpu_host, make_avatar, run_server
 
 BATCH = 24

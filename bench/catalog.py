@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from frontend.client import AsyncClient
+from lipsync_client import AsyncClient
 from tests.helpers import base_config, make_avatar, run_server
 
 

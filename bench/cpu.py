@@ -23,7 +23,7 @@ import psutil
 from config.assets import ModelPaths, load_assets
 from config.geometry import crop_328
 from cpu_actor.composite import encode, mouth_to_uint8, paste
-from frontend.client import AsyncClient
+from lipsync_client import AsyncClient
 from gpu_actor.runner import ModelRunner
 from gpu_actor.visual import build_visual
 from tests.helpers import base_config, run_server

@@ -35,7 +35,7 @@ def _utterance(audio: str, rng: np.random.Generator) -> np.ndarray:
 
 def _session(endpoint: str, model: str, fmt: str, audio: str, rng: np.random.Generator) -> tuple[float, dict]:
     """(seconds session_open took, the session's stats once its utterance has played)."""
-    from frontend.client import Session
+    from lipsync_client import Session
     t = time.monotonic()
     with Session(endpoint, model, format=fmt, audio=audio, timeout_s=60.0) as s:
         opened = time.monotonic() - t
@@ -51,7 +51,7 @@ def _session(endpoint: str, model: str, fmt: str, audio: str, rng: np.random.Gen
 
 def _server(models_dir: str, directory: Path, timeout_s: float = 60.0):
     import zmq
-    from frontend.client import Client, ClientTimeout
+    from lipsync_client import Client, ClientTimeout
     path, endpoint = _config(models_dir, directory)
     zmq.Context.instance().setsockopt(zmq.RECONNECT_IVL, 5)
     log = open(path.with_suffix(".log"), "w")

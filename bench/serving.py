@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from frontend.client import AsyncClient, Client
+from lipsync_client import AsyncClient, Client
 from tests.helpers import base_config, run_server
 
 AUDIO = (32, 16, 16)

@@ -21,8 +21,8 @@ from typing import Optional
 import numpy as np
 import psutil
 
-from frontend.client import AsyncSession
-from frontend.client.commands import read_wav
+from lipsync_client import AsyncSession
+from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
 from config.audio import write_speech
 from tests.helpers import base_config, run_server

@@ -63,7 +63,7 @@ def _cpu_seconds(pid: int) -> float:
 def launch_to_ready(models_dir: str, directory: Path, timeout_s: float = 60.0) -> tuple[float, float]:
     """One launch: (seconds until `health` says ready, CPU seconds spent by then); then SIGTERM."""
     import zmq
-    from frontend.client import Client, ClientTimeout
+    from lipsync_client import Client, ClientTimeout
     path, endpoint = _config(models_dir, directory)
     # NOTE: the client connects before the server binds; libzmq retries every RECONNECT_IVL (100 ms by
     # default), which would round every figure up to a tenth of a second.

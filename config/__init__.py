@@ -1,8 +1,9 @@
 """config/ owns the YAML configuration and the on-disk layout of models (ids, asset files).
 
-Imports no other room of this project. Every process receives a frozen `Config`.
+Imports no other room of this project; the wire's numbers (sample rate, shapes, the model id pattern)
+come from the client distribution's lipsync_client.contract. Every process receives a frozen `Config`.
 Its names below are imported on first use (PEP 562), so that a module needing only config's pure
-constants (config.audio, config.geometry), such as the client SDK, does not load the YAML loader.
+constants (config.audio, config.geometry) does not load the YAML loader.
 """
 
 from __future__ import annotations

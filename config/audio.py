@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+# NOTE: the wire's rate and the demo utterance come from the client, so each is defined once
+from lipsync_client.contract import SAMPLE_RATE
+from lipsync_client.speech import speech
+
 N_FFT = 800
 HOP = 200
 N_MELS = 80
@@ -276,20 +279,6 @@ def windows_from_rows(features: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Frame windows [n, 32, 16, 16] from encoder outputs [J, 512] and each frame's row indices [n, 16]
     (into `features`; -1 for zeros)."""
     return gather_rows(features, rows).reshape(len(rows), *AUDIO_SHAPE)
-
-
-def speech(seconds: float = 3.0, seed: int = 0) -> np.ndarray:
-    """A speech-like utterance, int16 at 16 kHz: voiced harmonics under a syllable-rate envelope with
-    short pauses. Generated (nothing is downloaded); it drives the demo, it is not language."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
-    pitch = 140 + 25 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(pitch) / SAMPLE_RATE
-    voice = sum(np.sin(k * phase) / k for k in range(1, 9))
-    syllables = np.clip(np.sin(2 * np.pi * 3.5 * t + rng.uniform(0, 6)), 0, None) ** 1.5
-    pauses = (np.sin(2 * np.pi * 0.45 * t) > -0.7).astype(float)
-    samples = 0.25 * voice * syllables * pauses + 0.003 * rng.standard_normal(len(t))
-    return np.clip(samples * 32767, -32768, 32767).astype("<i2")
 
 
 def write_speech(path, seconds: float = 3.0, seed: int = 0):

@@ -14,18 +14,16 @@ import re
 
 import numpy as np
 
+# NOTE: the shapes and the id pattern are the wire's, defined once in the client's contract
+from lipsync_client.contract import MODEL_ID_PATTERN, MOUTH_SHAPE, VISUAL_SHAPE
+
 CROP_SIZE = 328
 INNER = slice(4, 324)                  # the centre 320x320 of a 328x328 crop
-VISUAL_SHAPE = (6, 320, 320)
-MOUTH_SHAPE = (3, 320, 320)
 VISUAL_BYTES = 4 * VISUAL_SHAPE[0] * VISUAL_SHAPE[1] * VISUAL_SHAPE[2]
 MOUTH_BYTES = 4 * MOUTH_SHAPE[0] * MOUTH_SHAPE[1] * MOUTH_SHAPE[2]
 CROP_BYTES = CROP_SIZE * CROP_SIZE * 3
 AUDIO_ALIGN = 64                       # audio follows the visual input in a slot at this alignment
 
-# Model ids become directory names and shm/metric labels: no path tricks. `\Z`, not `$`: `$` also
-# matches before a trailing newline (msgspec, like `re.search`, applies the pattern as written).
-MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z"
 _MODEL_ID = re.compile(MODEL_ID_PATTERN)
 
 

@@ -94,6 +94,7 @@ class InferenceConfig(_Section):
     workers_per_device: PosInt = 1
     max_models_per_worker: PosInt = 16
     max_model_bytes: NonNegInt = 0
+    batch_memory_bytes: NonNegInt = 0
     eviction: Literal["lru", "lfu"] = "lru"
     idle_unload_s: NonNegFloat = 0.0
     preload: tuple[ModelId, ...] = ()

@@ -6,8 +6,9 @@
 - live/    live sessions (timelines, speech batching, the pacer, H.264, the WebRTC viewer), hosted by
            the server through a small `Host` interface. Imports core/ and the shared modules only.
 - bridge/  the GPU host's process: edges' requests into the same engine. Imports core/ and the shared modules.
-- client/  the Python SDK and `python -m frontend.client`. Imports the wire protocol only.
-Shared by them: protocol.py (the wire), metrics.py (Prometheus), probes.py (/healthz, /readyz: one rule).
+Shared by them: metrics.py (Prometheus), probes.py (/healthz, /readyz: one rule). The wire protocol is
+the client distribution's (lipsync_client.protocol, client/), which clients install without the server.
 
-May import: shm, config. Never gpu_actor, cpu_actor or supervisor. tests/test_layout.py holds the rules.
+May import: shm, config, and of lipsync_client its protocol and contract only. Never gpu_actor, cpu_actor
+or supervisor. tests/test_layout.py holds the rules.
 """

@@ -3,7 +3,7 @@ processes, the shared background store), the handles (`TensorRef`) that messages
 tensors, the internal IPC messages (messages.py), every internal endpoint (endpoints.py) and the
 common life of a child process (child.py).
 
-Imports no other room of this project.
+Imports no other room of this project; the wire's enums (codes.py) come from lipsync_client.protocol.
 """
 
 from shm.ring import RingError, RingFull, RingSpec, SlotRing, SlotState, StaleHandle, TensorRef

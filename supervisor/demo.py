@@ -101,7 +101,7 @@ def build_demo(config: Config) -> Path:
             _progress("background frames", k + 1, d.frames)
     (model_dir / "crop_rects.json").write_text(json.dumps({str(i): {"rect": r} for i, r in enumerate(rects)}))
     write_demo_models(model_dir)
-    write_speech(model_dir / "speech.wav", seed=d.seed)   # the utterance `frontend.client stream --pcm` speaks
+    write_speech(model_dir / "speech.wav", seed=d.seed)   # the utterance `lipsync_client stream --pcm` speaks
     unet_dir = root / UNET_MODEL_ID   # the same avatar, with unet_328's cost
     (unet_dir / "frames").mkdir(parents=True)
     for frame in (model_dir / "frames").iterdir():

@@ -21,7 +21,7 @@ import psutil
 import simplejpeg
 import yaml
 
-from frontend.client import Client, ClientTimeout, ServerError
+from lipsync_client import Client, ClientTimeout, ServerError
 from gpu_actor.demo_model import write_demo_models
 from gpu_actor.model_builder import write_model
 from shm import list_segments

@@ -128,7 +128,7 @@ def test_pcm_composite_equals_the_windows_computed_offline(pcm_server):
     ("a", {"return_audio": True, "audio_format": "float32", "batch": 1}, "only with audio_format pcm16"),
 ])
 def test_pcm_requests_that_cannot_be_served_are_bad_requests(pcm_server, model, fields, hint):
-    from frontend.client import ServerError
+    from lipsync_client import ServerError
     pcm = _pcm(speech_like(1.0, seed=4))
     with pcm_server.client() as c, pytest.raises(ServerError) as err:
         c.request("composite", [pcm], model=model, **{"audio_format": "pcm16", **fields})
@@ -136,7 +136,7 @@ def test_pcm_requests_that_cannot_be_served_are_bad_requests(pcm_server, model, 
 
 
 def test_pcm_longer_than_a_batch_is_refused_with_the_limit(pcm_server):
-    from frontend.client import ServerError
+    from lipsync_client import ServerError
     with pcm_server.client() as c, pytest.raises(ServerError) as err:
         c.request("composite", [_pcm(speech_like(2.0))], model="a", audio_format="pcm16")
     assert err.value.code == "bad_request" and "limits.max_batch (32)" in err.value.message

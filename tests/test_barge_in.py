@@ -122,7 +122,7 @@ def test_pipecat_barge_in_never_replays_cut_speech(server, backgrounds, rate, cu
     from pipecat.pipeline.task import PipelineParams
     from pipecat.tests.utils import run_test
 
-    from frontend.client.pipecat import LipsyncVideoService
+    from lipsync_client.pipecat import LipsyncVideoService
     rng = random.Random(SEED + rate)
     pcms = utterances(rate, cuts + 1, rng)
     script, where = pipecat_script(rate, pcms, rng)
@@ -167,7 +167,7 @@ def test_livekit_clear_buffer_drops_what_the_runner_had_in_hand_and_reports_what
     from livekit import rtc
     from livekit.agents.voice.avatar import AudioSegmentEnd
 
-    from frontend.client.livekit import ClearCountingAudioOutput, LipsyncVideoGenerator
+    from lipsync_client.livekit import ClearCountingAudioOutput, LipsyncVideoGenerator
     rate = 24000
     chunk = rate // 50
     rng = random.Random(SEED)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from frontend.client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
+from lipsync_client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
 from gpu_actor.model_builder import write_audio_encoder
 from tests.conftest import TEST_PREFIX
 from tests.helpers import base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
@@ -294,7 +294,7 @@ def test_a_gpu_host_drains_on_sigterm(tmp_path, models, keys):
 def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, keys):
     """A GPU host that holds one model at a time: while an edge's live session is open on `a`, loading
     `b` there does not evict `a` (the session's speech would wait for a reload); once it closes, it may."""
-    from frontend.client import Session
+    from lipsync_client import Session
     port = free_port()
     host_cfg = gpu_config(models, keys, port)
     host_cfg["inference"]["max_models_per_worker"] = 1

@@ -155,7 +155,7 @@ def test_the_package_the_images_install_serves_outside_the_source_tree(tmp_path)
 
     import numpy as np
 
-    from frontend.client import Session
+    from lipsync_client import Session
     from tests.helpers import base_config, free_port, make_avatar, run_server
 
     # Built from what the container files COPY, in a directory of its own: a build in the checkout

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from frontend.client import AsyncClient, ServerError
+from lipsync_client import AsyncClient, ServerError
 from gpu_actor.discovery import assign_slots
 from tests.conftest import TEST_PREFIX
 from tests.helpers import ROOT, base_config, free_port, gpu_host, make_avatar, run_server

@@ -1,4 +1,4 @@
-"""The echo avatar example (`python -m frontend.client.examples.echo`) end to end: the example's own
+"""The echo avatar example (`python -m lipsync_client.examples.echo`) end to end: the example's own
 process, a real server, and a headless Chromium whose fake microphone plays a speech file (silence,
 speech, silence, looped). What a user would check: the page's video plays, the avatar's face is its
 own in silence, its mouth moves while the file's speech comes back, and the voice the page hears is
@@ -126,7 +126,7 @@ def echo(server, tmp_path):
     port = free_port()
     log = tmp_path / "echo.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "frontend.client.examples.echo", "--endpoint", server.endpoint,
+        proc = subprocess.Popen([sys.executable, "-m", "lipsync_client.examples.echo", "--endpoint", server.endpoint,
                                  "--model", "face", "--port", str(port), "--wait", "30"],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
-from frontend.client import AsyncClient, ClientTimeout, ServerError
+from lipsync_client import AsyncClient, ClientTimeout, ServerError
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from config.audio import speech
-from frontend.client import Session
+from lipsync_client import Session
 from tests.helpers import base_config, make_video_avatar, run_server
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import cv2
 import numpy as np
 import pytest
 
-from frontend.client import ServerError
-from frontend.client import Session
+from lipsync_client import ServerError
+from lipsync_client import Session
 from tests.helpers import base_config, decode_image, frames_for, make_video_avatar, mirror_index, run_server
 
 pytestmark = pytest.mark.slow

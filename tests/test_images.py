@@ -176,7 +176,7 @@ def built(podman, base):
         if name not in images:
             tag = f"localhost/lipsync-serve:{name}-test"
             ca = ["-v", f"{HOST_CA}:{HOST_CA}:ro"] if HOST_CA.exists() else []
-            sources = {package: _files(ROOT / package) for package in _packages()}
+            sources = {package: _files(folder) for package, folder in _packages().items()}
             started = time.monotonic()
             podman("build", "--isolation", "chroot", "--network", "host", *ca, "--build-arg", f"PYTHON_IMAGE={base}",
                    "-f", str(CONTAINERFILES[name]), "-t", tag, str(ROOT), timeout=3000)
@@ -190,11 +190,14 @@ def built(podman, base):
     podman("image", "prune", "-f", check=False)
 
 
-def _packages() -> list[str]:
-    """The package folders the Containerfiles copy."""
+def _packages() -> dict[str, Path]:
+    """The packages the Containerfiles copy, by import name: a folder, or a distribution's folder of its
+    own (client/, with its pyproject.toml) whose packages are one level down."""
     lines = CONTAINERFILES["cpu"].read_text().splitlines()
-    sources = [ln.split()[1] for ln in lines if ln.startswith("COPY ") and "--from" not in ln]
-    return [source for source in sources if (ROOT / source).is_dir()]
+    sources = [ROOT / ln.split()[1] for ln in lines if ln.startswith("COPY ") and "--from" not in ln]
+    folders = [s for source in sources if source.is_dir() for s in (
+        [p.parent for p in source.glob("*/__init__.py")] if (source / "pyproject.toml").exists() else [source])]
+    return {folder.name: folder for folder in folders}
 
 
 def _files(folder: Path) -> set[str]:
@@ -219,7 +222,7 @@ def test_the_image_is_its_base_and_the_venv_with_nothing_it_does_not_need(podman
         installed = {p.name.split("-")[0].lower().replace("_", "-") for p in site.glob("*.dist-info")}
         assert not installed & {"pip", "setuptools", "wheel", "pytest", "pytest-timeout", "librosa", "playwright",
                                 "kubernetes-validate"}, "only what the server runs"
-        assert {"lipsync-serve", "onnxruntime" if name == "cpu" else "onnxruntime-gpu"} <= installed
+        assert {"lipsync-serve", "lipsync-client", "onnxruntime" if name == "cpu" else "onnxruntime-gpu"} <= installed
         assert not [p for p in site.glob("*/**/tests") if p.is_dir()] and not (site / "onnx/backend/test").exists()
         compilers = [p for d in ("usr/bin", "usr/local/bin") for c in ("cc", "gcc", "g++", "make")
                      if (p := root / d / c).exists()]
@@ -322,7 +325,7 @@ def _mounts(pid: int) -> dict[str, set[str]]:
 @pytest.mark.parametrize("name", sorted(CONTAINERFILES))
 def test_the_image_serves_as_its_container_would(podman, runtime, built, tmp_path, name):
     """The GPU image too, on the CPU fallback of `inference.devices: auto` (no GPU here)."""
-    from frontend.client import Client
+    from lipsync_client import Client
 
     image = built(name)
     make_avatar(tmp_path / "models", "a", n_frames=3)   # 320x240 frames

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 from config import audio as A
-from frontend.client import Session
+from lipsync_client import Session
 from gpu_actor.model_builder import StateDictWeights, write_model
 from supervisor.importer import ImportFailed
 from supervisor.importer.checkpoint import CheckpointError, read_checkpoint, write_state_dict

@@ -1,14 +1,19 @@
-"""The rooms' import rules (each package's __init__ docstring states them), checked on the source."""
+"""The rooms' import rules (each package's __init__ docstring states them), checked on the source, and
+the line between the server and the client distribution (client/: lipsync_client)."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 
 import pytest
 
 from tests.helpers import ROOT
 
 ROOMS = ["supervisor", "gpu_actor", "cpu_actor", "shm", "frontend", "config"]
+CLIENT = ROOT / "client" / "lipsync_client"
+# What the server takes from the client distribution: the wire and its numbers, and the demo utterance
+WIRE = {"lipsync_client.protocol", "lipsync_client.contract", "lipsync_client.speech"}
 ALLOWED = {
     "shm": set(), "config": set(),
     "gpu_actor": {"shm", "config"}, "cpu_actor": {"shm", "config"}, "frontend": {"shm", "config"},
@@ -35,7 +40,7 @@ def test_room_imports_only_what_its_docstring_allows(room):
 
 
 def test_top_level_holds_only_the_designed_rooms():
-    allowed = set(ROOMS) | {"tests", "docs", "bench", "deploy", "pyproject.toml", "README.md", "dev.py", ".ci",
+    allowed = set(ROOMS) | {"client", "tests", "docs", "bench", "deploy", "pyproject.toml", "README.md", "dev.py", ".ci",
                             ".gitignore", ".dockerignore", ".git", ".venv", ".pytest_cache", "build", "wheels"}
     extra = {p.name for p in ROOT.iterdir() if not p.name.endswith(".egg-info")} - allowed
     assert not extra, f"unexpected top-level entries: {sorted(extra)}"
@@ -43,27 +48,26 @@ def test_top_level_holds_only_the_designed_rooms():
 
 # -- frontend/'s sub-rooms ---------------------------------------------------------------------------
 
-SHARED = {"frontend.protocol", "frontend.metrics", "frontend.probes"}
+SHARED = {"frontend.metrics", "frontend.probes"}
 SUB_ROOMS = {   # sub-room -> the parts of frontend/ it may import (besides itself)
     "frontend.core": set(),
     "frontend.live": {"frontend.core"} | SHARED,
     "frontend.bridge": {"frontend.core"} | SHARED,
     "frontend.server": {"frontend.core", "frontend.live"} | SHARED,
-    "frontend.client": {"frontend.protocol"},
 }
 MEDIA = ("aiortc", "aiohttp", "av")   # the viewer's stack: frontend/live/viewer.py alone imports it
 # ... of the server and the SDK: the examples are applications on the SDK (the echo serves its page
 # with aiohttp), which no part of the server or the SDK imports
-APPLICATIONS = "frontend.client.examples"
+APPLICATIONS = "lipsync_client.examples"
 
 
 def _module_name(path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(CLIENT.parent if CLIENT in path.parents else ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _project_modules() -> dict[str, object]:
-    return {_module_name(p): p for room in ROOMS for p in (ROOT / room).rglob("*.py")}
+    return {_module_name(p): p for folder in [ROOT / room for room in ROOMS] + [CLIENT] for p in folder.rglob("*.py")}
 
 
 def _imports(path, modules) -> set[str]:
@@ -82,7 +86,7 @@ def _imports(path, modules) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-    return {m for m in out if m in modules or m.split(".")[0] in ROOMS + list(MEDIA) + ["zmq", "yaml", "cv2"]}
+    return {m for m in out if m in modules or m.split(".")[0] in ROOMS + list(MEDIA) + ["zmq", "yaml", "cv2", "lipsync_client"]}
 
 
 def test_frontend_sub_rooms_import_only_what_they_may():
@@ -97,21 +101,50 @@ def test_frontend_sub_rooms_import_only_what_they_may():
         elif name in SHARED:
             assert not {m for m in frontend_imports if m not in SHARED}, f"{name} imports a sub-room"
         media = {m for m in _imports(path, modules) if m.split(".")[0] in MEDIA}
-        if name != "frontend.live.viewer" and name.startswith("frontend") and not name.startswith(APPLICATIONS):
+        if name != "frontend.live.viewer" and name.startswith(("frontend", "lipsync_client")) \
+                and not name.startswith(APPLICATIONS):
             assert not media, f"{path.relative_to(ROOT)} imports {sorted(media)}: only frontend/live/viewer.py may"
 
 
-def test_the_client_sdk_imports_nothing_of_the_server():
-    """In a fresh interpreter: the SDK loads the wire protocol and config's constants, not the server's
-    config loader (YAML), OpenCV, the viewer's stack or any server room."""
+def test_the_server_takes_only_the_wire_from_the_client():
+    """frontend/ has no client code left: the SDK, the CLI and the integrations are client/'s; the server's
+    rooms import of lipsync_client only the protocol, its numbers and the demo utterance."""
+    assert not list((ROOT / "frontend" / "client").rglob("*.py")) and not (ROOT / "frontend" / "protocol.py").exists()
+    modules = _project_modules()
+    for name, path in modules.items():
+        if name.split(".")[0] in ROOMS:
+            client = {m for m in _imports(path, modules) if m.split(".")[0] == "lipsync_client"}
+            assert client <= WIRE, f"{path.relative_to(ROOT)} imports {sorted(client - WIRE)} of the client"
+    for module in WIRE:   # and those import nothing but each other
+        imported = {m for m in _imports(modules[module], modules) if m.split(".")[0] == "lipsync_client"}
+        assert imported <= WIRE, f"{module} imports {sorted(imported - WIRE)}"
+
+
+def test_the_client_imports_nothing_of_the_server():
+    """On the source (imports inside functions too), then in a fresh interpreter: the SDK, its CLI and the
+    integrations load no server room and none of the server's dependencies (YAML, OpenCV, the viewer's
+    stack, onnx, soxr, Prometheus)."""
     import subprocess
     import sys
-    code = ("import sys, frontend.client, frontend.client.__main__, frontend.client.commands; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('yaml', 'cv2', 'aiortc', 'aiohttp', 'av') "
-            "or m in ('config.loader', 'config.schema') or m.startswith(('frontend.core', 'frontend.server', "
-            "'frontend.live', 'frontend.bridge'))))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
+    modules = _project_modules()
+    for name, path in modules.items():
+        if name.split(".")[0] == "lipsync_client":
+            server = {m for m in _imports(path, modules) if m.split(".")[0] in ROOMS}
+            assert not server, f"{path.relative_to(ROOT)} imports {sorted(server)} of the server"
+    sdk = sorted(m for m in modules if m.split(".")[0] == "lipsync_client"
+                 and not m.startswith(("lipsync_client.pipecat", "lipsync_client.livekit", APPLICATIONS)))
+    rooms = tuple(ROOMS) + ("bench",)
+    code = (f"import sys, importlib; [importlib.import_module(m) for m in {sdk!r}]; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {rooms!r} + ('yaml', 'cv2', 'aiortc', "
+            "'aiohttp', 'av', 'onnx', 'onnxruntime', 'soxr', 'prometheus_client')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=CLIENT.parent, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    # The integrations pull their frameworks' own dependencies (tests/test_packages.py): no server room.
+    frameworks = [m for m in ("pipecat", "livekit") if importlib.util.find_spec(m) is not None]
+    code = ("import sys, importlib; " + "; ".join(f"importlib.import_module('lipsync_client.{m}')" for m in frameworks)
+            + f"; print(sorted(m for m in sys.modules if m.split('.')[0] in {rooms!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=CLIENT.parent, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_live_and_core_load_without_sockets_or_the_viewer():

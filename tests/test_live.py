@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from config import parse_config
-from frontend import protocol as P
+from lipsync_client import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
 from frontend.live.service import Live, Pin, SpeechBatch

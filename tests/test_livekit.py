@@ -1,4 +1,4 @@
-"""The LiveKit video generator (frontend/client/livekit.py) through its public contract, with real
+"""The LiveKit video generator (lipsync_client/livekit.py) through its public contract, with real
 `livekit.rtc` frames and LiveKit's own `QueueAudioOutput` feeding it as `AvatarRunner` does, against
 a real server. No LiveKit server can run here (it is a Go binary with its own network setup), so the
 runner's room side (publishing tracks) is not exercised: everything up to it is."""
@@ -16,7 +16,7 @@ pytest.importorskip("livekit.agents", reason="the livekit extra: pip install -e 
 from livekit import rtc  # noqa: E402
 from livekit.agents.voice.avatar import AudioSegmentEnd, QueueAudioOutput  # noqa: E402
 
-from frontend.client.livekit import LipsyncVideoGenerator  # noqa: E402
+from lipsync_client.livekit import LipsyncVideoGenerator  # noqa: E402
 from tests.voice import face_avatar, tts_speech, warm_server  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The Pipecat avatar service (frontend/client/pipecat.py) in real Pipecat pipelines (pipecat-ai,
+"""The Pipecat avatar service (lipsync_client/pipecat.py) in real Pipecat pipelines (pipecat-ai,
 offline, `pipecat.tests.utils.run_test`) against a real server: a TTS's 24 kHz speech in, the avatar's
 frames and the very same samples out, the stop after the last speech frame, barge-in, a missing server."""
 
@@ -22,7 +22,7 @@ from pipecat.frames.frames import (  # noqa: E402
 )
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
 
-from frontend.client.pipecat import LipsyncVideoService  # noqa: E402
+from lipsync_client.pipecat import LipsyncVideoService  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 from tests.voice import face_avatar, tts_speech, warm_server  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest
 import simplejpeg
 import zmq
 
-from frontend.client import AsyncClient, ServerError
+from lipsync_client import AsyncClient, ServerError
 from tests.helpers import base_config, decode_image, expected_frames, free_port, make_avatar, mirror_index, run_server
 
 N_FRAMES, SIZE = 5, (320, 240)
@@ -280,7 +280,7 @@ def test_client_cli(server, tmp_path):
     from tests.helpers import ROOT
 
     def cli(*args):
-        done = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, *args],
+        done = subprocess.run([sys.executable, "-m", "lipsync_client", "--endpoint", server.endpoint, *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout
@@ -293,7 +293,7 @@ def test_client_cli(server, tmp_path):
     bench = json.loads(cli("bench", "--models", "a", "--count", "6", "--batch", "2", "--concurrency", "2", "--json"))
     assert bench["requests"] == 6 and not bench["errors"] and bench["frames_per_s"] > 0
     assert set(bench["latency_ms"]) == {"p50", "p90", "p99"}
-    bad = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "load", "nobody"],
+    bad = subprocess.run([sys.executable, "-m", "lipsync_client", "--endpoint", server.endpoint, "load", "nobody"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "unknown_model" in bad.stderr
 

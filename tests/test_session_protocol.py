@@ -13,7 +13,7 @@ import pytest
 import soxr
 
 from config import audio as A
-from frontend.client import ServerError, Session
+from lipsync_client import ServerError, Session
 from gpu_actor.model_builder import write_audio_encoder
 from tests.helpers import base_config, decode_image, frames_for, make_avatar, run_server
 from tests.voice import tts_speech

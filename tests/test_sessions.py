@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from config import audio as A
-from frontend.client import ServerError
-from frontend.client import Session
+from lipsync_client import ServerError
+from lipsync_client import Session
 from gpu_actor.model_builder import write_audio_encoder
 from tests.helpers import base_config, decode_image, frames_for, make_avatar, mirror_index, run_server
 
@@ -274,7 +274,7 @@ def test_stream_cli_speaks_a_wav_file(server, tmp_path):
     from config.audio import write_speech
     from tests.helpers import ROOT
     wav = write_speech(tmp_path / "speech.wav", seconds=1.5)
-    out = subprocess.run([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "stream", "a",
+    out = subprocess.run([sys.executable, "-m", "lipsync_client", "--endpoint", server.endpoint, "stream", "a",
                           "--seconds", "4", "--duty", "0.9", "--pcm", str(wav)], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

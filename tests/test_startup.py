@@ -124,7 +124,7 @@ def test_sigterm_during_start_up_stops_every_child_and_removes_shm(tmp_path):
 def _demo_talks(c, root) -> None:
     """The demo's mouth opens with loud speech and stays the face's own in silence: frames from 16 kHz
     PCM (the demo's speech.wav), the mouth region compared with the background it was pasted on."""
-    from frontend.client.commands import read_wav
+    from lipsync_client.commands import read_wav
     pcm = read_wav(str(root / "demo" / "speech.wav"))
     rects = json.loads((root / "demo" / "crop_rects.json").read_text())
     n = 5600                                                           # 8 frames: limits.max_batch here

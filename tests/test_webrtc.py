@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from config.audio import speech
-from frontend.client import AsyncSession, Session
+from lipsync_client import AsyncSession, Session
 from tests.helpers import base_config, free_port, make_video_avatar, run_server
 
 pytestmark = pytest.mark.slow
@@ -161,7 +161,7 @@ def test_the_viewer_page_plays_in_headless_chromium(server, tmp_path):
 def test_the_watch_command_prints_a_viewer_url_that_serves_the_page(server):
     import subprocess
     import sys
-    proc = subprocess.Popen([sys.executable, "-m", "frontend.client", "--endpoint", server.endpoint, "watch", "a",
+    proc = subprocess.Popen([sys.executable, "-m", "lipsync_client", "--endpoint", server.endpoint, "watch", "a",
                              "--no-browser", "--wait", "30"], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

@@ -51,7 +51,7 @@ def warm_up(server, model: str, seconds: float = 2.5) -> None:
     """One utterance through a fresh server, so that the tests' own speech does not meet a cold model
     (its first inference on a loaded machine can miss a few frames' deadlines)."""
     import time
-    from frontend.client import Session
+    from lipsync_client import Session
     with Session(server.endpoint, model, audio="pcm16") as s:
         s.send_audio(tts_speech(SAMPLE_RATE, seconds=1.0), last=True)
         deadline = time.monotonic() + seconds

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import numpy as np
 
 from config.audio import AUDIO_SHAPE, SAMPLE_RATE, WINDOW_ROWS
-from frontend import protocol as P
+from lipsync_client import protocol as P
 from frontend.core.alarm import LOOP_CLOCK, Alarm, Clock
 from frontend.core.backlog import Backlogs
 from frontend.core.request import Inputs, Kind, Request, RequestError

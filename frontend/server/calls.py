@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional
 
-from frontend import protocol as P
+from lipsync_client import protocol as P
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any
 
-from frontend import protocol as P
+from lipsync_client import protocol as P
 from frontend.core.request import Kind, Request
 from frontend.core.scheduler import merge_model_stats
 from frontend.server.calls import Call

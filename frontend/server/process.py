@@ -26,7 +26,7 @@ from config.assets import frame_index
 from config.audio import frame_audio
 from config.keys import load_public, make_server, start_authenticator
 from frontend import probes
-from frontend import protocol as P
+from lipsync_client import protocol as P
 from frontend.core.alarm import Alarm
 from frontend.core.backlog import Backlogs
 from frontend.core.request import CLIENT_GONE, Inputs, Kind, Request, RequestError

@@ -13,7 +13,7 @@ import msgspec
 from config.audio import AUDIO_SHAPE, frame_count
 from config.geometry import VISUAL_BYTES, VISUAL_SHAPE
 from frontend.core.request import RequestError
-from frontend.protocol import MODEL_OPS, SESSION_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
+from lipsync_client.protocol import MODEL_OPS, SESSION_OPS, TENSOR_OPS, ErrorCode, Op, RequestHeader, RequestId
 
 MAX_FRAMES = 3          # header + visual + audio, the most any op takes
 

@@ -153,7 +153,7 @@ def _summary(done: Imported, audio: str, replaced: bool) -> str:
              f"unet_328 {audio} from {done.model_source}" +
              (f", audio encoder from {done.encoder_source}" if done.encoder_source else ""),
              f"serve it with models_dir: {done.out.parent} (model id {done.out.name}); a running server reads it on "
-             "its first request" + (f", after `python -m frontend.client unload {done.out.name}`" if replaced else ""),
+             "its first request" + (f", after `python -m lipsync_client unload {done.out.name}`" if replaced else ""),
              "its background plays in the server's mirror order (0..n-1, n-1..0): docs/protocol.md#frame-order"]
     if audio != "ave":
         lines.append(f"{audio} model: clients send {audio} feature windows; the server does not compute them from "

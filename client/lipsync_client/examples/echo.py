@@ -3,7 +3,7 @@ key: Pipecat's SmallWebRTCTransport (aiortc) carries the browser's microphone in
 video and voice out, and the lip-sync server makes the face.
 
     python3 dev.py run                                  # the lip-sync server (demo avatar), one terminal
-    .venv/bin/python -m frontend.client.examples.echo   # this, another: open http://127.0.0.1:7860
+    .venv/bin/python -m lipsync_client.examples.echo   # this, another: open http://127.0.0.1:7860
 
 The pipeline is a voice agent with the STT, LLM and TTS taken out: what the microphone hears goes to
 `LipsyncVideoService` as if a TTS had said it, cut into utterances at pauses (`MicAsSpeech`), and the
@@ -43,9 +43,9 @@ from pipecat.transports.smallwebrtc.connection import SmallWebRTCConnection
 from pipecat.transports.smallwebrtc.transport import SmallWebRTCTransport
 from pipecat.workers.runner import WorkerRunner
 
-from frontend.client.pipecat import LipsyncVideoService
-from frontend.client.requests import Client
-from frontend.client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
+from lipsync_client.pipecat import LipsyncVideoService
+from lipsync_client.requests import Client
+from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
 
 RATE = 16000            # the microphone's audio in the pipeline, and so the avatar's session and its audio out
 FPS = 25
@@ -130,7 +130,7 @@ def avatar_size(endpoint: str, model: str, wait_s: float) -> tuple[int, int]:
             time.sleep(0.5)
     if info is None or not info.get("width"):
         raise SystemExit(f"model {model!r} is not served at {endpoint} (or its files are broken): "
-                         "`python -m frontend.client models` lists them")
+                         "`python -m lipsync_client models` lists them")
     return info["width"], info["height"]
 
 
@@ -221,10 +221,10 @@ def make_app(bot: Callable[[SmallWebRTCConnection], Awaitable[None]]) -> web.App
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m frontend.client.examples.echo",
+    parser = argparse.ArgumentParser(prog="python -m lipsync_client.examples.echo",
                                      description="your microphone, spoken back by your avatar in the browser")
     parser.add_argument("--endpoint", default=DEFAULT_ENDPOINT, help="the lip-sync server")
-    parser.add_argument("--model", default="demo", help="the avatar (`python -m frontend.client models`)")
+    parser.add_argument("--model", default="demo", help="the avatar (`python -m lipsync_client models`)")
     parser.add_argument("--host", default="127.0.0.1", help="where the page is served (a browser allows the "
                                                             "microphone on localhost, else over https only)")
     parser.add_argument("--port", type=int, default=7860)

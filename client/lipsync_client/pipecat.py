@@ -1,11 +1,11 @@
 """A Pipecat avatar service backed by this server: your own avatars at the end of any Pipecat voice
 agent (extra `pipecat`: `pip install lipsync-serve[pipecat]`), in place of a cloud avatar service.
 
-    from frontend.client.pipecat import LipsyncVideoService
+    from lipsync_client.pipecat import LipsyncVideoService
     avatar = LipsyncVideoService(model="demo", endpoint="tcp://127.0.0.1:5555")
     pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, avatar, transport.output(), assistant_agg])
     # transport: video_out_enabled=True, video_out_is_live=True, video_out_width/height = the avatar's
-    # size (avatar.size once started, or `python -m frontend.client models`), video_out_framerate=25
+    # size (avatar.size once started, or `python -m lipsync_client models`), video_out_framerate=25
 
 It opens one live session (docs/protocol.md#live-sessions) when the pipeline starts and closes it at
 its end. It takes the TTS's audio (`TTSAudioRawFrame`, at the TTS's own rate), `TTSStartedFrame` /
@@ -41,8 +41,8 @@ from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSet
 from pipecat.services.ai_service import AIService
 from pipecat.services.settings import ServiceSettings
 
-from frontend.client.avatar import STALL_S, AvatarGone, AvatarStream
-from frontend.client.wire import DEFAULT_ENDPOINT
+from lipsync_client.avatar import STALL_S, AvatarGone, AvatarStream
+from lipsync_client.wire import DEFAULT_ENDPOINT
 
 DRAIN_S = 30.0       # at the pipeline's end, how long what was said may still take to play
 CUT_CONTEXTS = 64    # TTS contexts remembered as cut (their late audio is dropped)

@@ -27,9 +27,9 @@ from typing import Optional
 
 import numpy as np
 
-from config.audio import SAMPLE_RATE
-from frontend.client.sessions import AsyncSession
-from frontend.client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
+from lipsync_client.contract import SAMPLE_RATE
+from lipsync_client.sessions import AsyncSession
+from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
 
 LOOKAHEAD_SAMPLES = 7240     # at 16 kHz: what frame 0 of an utterance needs before it can be inferred
 STALL_S = 3.0                # no frame for this long (the server sends 25 a second): the server is gone

@@ -12,11 +12,12 @@ from typing import Optional
 
 import numpy as np
 
-from config.audio import SAMPLE_RATE, speech
-from config.geometry import VISUAL_SHAPE
-from frontend.client.requests import AsyncClient, Client
-from frontend.client.sessions import AsyncSession
-from frontend.client.wire import ClientTimeout, ServerError
+from lipsync_client.contract import SAMPLE_RATE
+from lipsync_client.speech import speech
+from lipsync_client.contract import VISUAL_SHAPE
+from lipsync_client.requests import AsyncClient, Client
+from lipsync_client.sessions import AsyncSession
+from lipsync_client.wire import ClientTimeout, ServerError
 
 
 def audio_shape(client: Client, model: str) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """Live sessions from Python: `Session` (sync) and `AsyncSession` (asyncio), and the `stream` command.
 
-    from frontend.client import Session
+    from lipsync_client import Session
     with Session("tcp://127.0.0.1:5555", "demo") as s:
         s.send_audio(windows)                 # [n, 32, 16, 16] float32: frames first_frame .. +n-1
         header, image, pcm = s.next_frame()   # {"event": "frame", "index", "pts_ms", "kind", "frame"}
@@ -21,8 +21,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from frontend.client import wire
-from frontend.client.wire import ClientTimeout, ServerError
+from lipsync_client import wire
+from lipsync_client.wire import ClientTimeout, ServerError
 
 Frame = tuple[dict, bytes, Optional[bytes]]   # header, image, and its 40 ms of PCM (audio: "pcm16" sessions)
 

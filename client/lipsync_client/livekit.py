@@ -39,8 +39,8 @@ from livekit.agents.voice.avatar import (
     VideoGenerator,
 )
 
-from frontend.client.avatar import AvatarStream
-from frontend.client.wire import DEFAULT_ENDPOINT
+from lipsync_client.avatar import AvatarStream
+from lipsync_client.wire import DEFAULT_ENDPOINT
 
 BUFFER = {"i420": rtc.VideoBufferType.I420, "rgba": rtc.VideoBufferType.RGBA}
 CLEARS = "lipsync.clears"   # rtc.AudioFrame.userdata: how many clear_buffer calls came before its capture

@@ -1,4 +1,4 @@
-"""python -m frontend.client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench|stream M|watch [M]"""
+"""python -m lipsync_client [--endpoint E] health|models|load M|unload M|stats [M]|composite M|bench|stream M|watch [M]"""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import json
 import sys
 from typing import Optional
 
-from frontend.client import commands
-from frontend.client.requests import Client
-from frontend.client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
+from lipsync_client import commands
+from lipsync_client.requests import Client
+from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m frontend.client", description="a client for the lip-sync server")
+    parser = argparse.ArgumentParser(prog="python -m lipsync_client", description="a client for the lip-sync server")
     parser.add_argument("--endpoint", default=DEFAULT_ENDPOINT)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("health")

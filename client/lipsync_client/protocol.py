@@ -1,8 +1,10 @@
-"""The client-facing wire protocol (docs/protocol.md): ops, header schema, replies, error codes.
+"""The client-facing wire protocol (docs/protocol.md): ops, header schema, replies, error codes, and the
+roles and states a health reply names.
 
-Imported by the frontend, the client and the tests; nothing else lives here.
 A request is a ZeroMQ multipart message `[header, payload...]` (after the empty delimiter frame
 that REQ adds and DEALER clients must add); a reply is `[header, data...]`.
+The one module both sides import: the server (frontend/, shm/codes.py) takes it from here, so the wire is
+defined once, in the light client distribution, and it imports nothing of the server.
 """
 
 from __future__ import annotations
@@ -12,8 +14,36 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 
-from config.geometry import MODEL_ID_PATTERN, MOUTH_SHAPE
-from shm.codes import ErrorCode, ProcState, Role
+from lipsync_client.contract import MODEL_ID_PATTERN, MOUTH_SHAPE
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a request failed; the wire protocol's `error.code` (docs/protocol.md)."""
+
+    BAD_REQUEST = "bad_request"      # malformed header, unknown op, wrong frames or sizes, bad range or id, bad model files
+    UNKNOWN_MODEL = "unknown_model"  # no such model, or its files are missing
+    OVERLOADED = "overloaded"        # the worker's queue is full: retry later
+    TIMEOUT = "timeout"              # the deadline passed before the work finished
+    UNAVAILABLE = "unavailable"      # a worker died or is restarting, or no GPU host is reachable
+    FORBIDDEN = "forbidden"          # the client's tenant may not use this model
+    INTERNAL = "internal"            # a bug, or a model that fails to run: the message says which
+
+
+class Role(str, enum.Enum):
+    GPU = "gpu"              # an inference worker (local, or a GPU host behind the bridge)
+    CPU = "cpu"              # a compositing process
+    FRONTEND = "frontend"
+    BRIDGE = "bridge"        # role gpu's stand-in for the frontend
+
+
+class ProcState(str, enum.Enum):
+    STARTING = "starting"        # spawned, not ready yet (a GPU host: answers, but no worker is ready)
+    READY = "ready"
+    RESTARTING = "restarting"    # died; the supervisor restarts it after a backoff
+    FAILED = "failed"            # died too often within supervisor.restart_window_s: stays down
+    UNREACHABLE = "unreachable"  # a GPU host that misses heartbeats
+    STOPPED = "stopped"          # shut down on purpose
+    VACANT = "vacant"            # a GPU-host slot with no host behind it (bridge.hosts by DNS name)
 
 
 class Op(str, enum.Enum):

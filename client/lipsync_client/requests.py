@@ -2,7 +2,7 @@
 requests in flight on one DEALER socket, matched by `id`). Errors raise `ServerError` with the
 protocol's code; no reply within the client's own timeout raises `ClientTimeout`.
 
-    from frontend.client import Client
+    from lipsync_client import Client
     with Client("tcp://127.0.0.1:5555") as c:
         reply, images = c.composite("demo", audio=np.zeros((4, 32, 16, 16), np.float32), batch=4)
 """
@@ -19,9 +19,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from config.geometry import MOUTH_SHAPE
-from frontend.client import wire
-from frontend.client.wire import DEFAULT_ENDPOINT, Answer, ClientTimeout
+from lipsync_client.contract import MOUTH_SHAPE
+from lipsync_client import wire
+from lipsync_client.wire import DEFAULT_ENDPOINT, Answer, ClientTimeout
 
 
 class Client:
