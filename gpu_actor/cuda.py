@@ -25,6 +25,13 @@ def device_memory_used(device_id: int) -> int:
     return int(total - free)
 
 
+def device_memory_free(device_id: int) -> int:
+    """Bytes free on the device now: a worker sizes its sub-batches from it (gpu_actor/runner.py)."""
+    with cp.cuda.Device(device_id):
+        free, _ = cp.cuda.runtime.memGetInfo()
+    return int(free)
+
+
 class CudaBinding:
     def __init__(self, session, io: ModelIO, device_id: int):
         self.session, self.io, self.device_id = session, io, device_id

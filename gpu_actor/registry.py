@@ -66,11 +66,13 @@ class Registry:
     def __init__(self, device: str, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
                  on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False,
-                 companions: Callable[[str], None] = lambda model: None):
+                 companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
+                 workers: int = 1):
         self.device = device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
         self._threads, self._tensorrt, self._spin = threads, tensorrt, spin
+        self._batch_memory = (batch_memory_bytes, workers)   # sizes each model's sub-batches at load
         self._resolve = resolve          # model id -> onnx path, or None if unknown
         self._on_event = on_event        # (model, event, load_ms, nbytes)
         self._wake = wake                # called from the load thread when a load finishes
@@ -113,7 +115,7 @@ class Registry:
         t0 = time.perf_counter()
         before = self._memory()
         try:
-            runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin)
+            runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin, *self._batch_memory)
             runner.warm_up()
             self._companions(model)
         except AssetError as err:

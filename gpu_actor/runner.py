@@ -5,16 +5,29 @@ into the destination slot (IO binding), so a batch costs no copy besides the mod
 On CUDA the inputs are copied host -> device once, the output is bound to a device buffer and copied
 device -> the destination slot once (cupy); see gpu_actor/cuda.py.
 A model with a fixed batch dimension is run in chunks of that size, the last one padded.
+
+Memory: a batch is run as consecutive sub-batches into the same output buffer, each at most
+`max_frames` frames, so one request costs at most the worker's batch-memory budget whatever its size.
+`max_frames` is sized once, at warm-up, from the model's measured peak memory per frame (the growth
+from a 1-frame to a 2-frame run: peak resident memory on the CPU, device memory on a GPU) and the
+budget (`inference.batch_memory_bytes`, or half of what the device has free, shared by its workers).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 
 from config.assets import AssetError, ModelIO, classify_io
+
+log = logging.getLogger(__name__)
+AUTO_BUDGET_SHARE = 0.5   # of the memory the device has free at load, when inference.batch_memory_bytes is 0
+MIN_FRAME_BYTES = 4 * (6 + 3) * 320 * 320   # a frame's input and output: the least a frame can cost
 
 
 class DeviceError(RuntimeError):
@@ -104,10 +117,36 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
     return session
 
 
+def _peak_reset() -> None:
+    """Start a new peak-resident-memory window (Linux: VmHWM := current RSS); elsewhere a no-op."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """Peak resident bytes since the last `_peak_reset` (Linux), else the current resident bytes."""
+    rss = psutil.Process().memory_info().rss
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return max(int(line.split()[1]) * 1024, rss)
+    except OSError:
+        pass
+    return rss
+
+
 class ModelRunner:
-    def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False):
+    def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False,
+                 batch_memory_bytes: int = 0, workers: int = 1):
         self.path = path
         self.device = device
+        self.batch_memory_bytes, self._workers = batch_memory_bytes, workers
+        self.frame_bytes = 0                  # measured peak memory per frame (warm_up)
+        self.max_frames: Optional[int] = None  # frames per onnxruntime call; None: the whole batch
         self.session = make_session(path, device, threads, tensorrt, spin)
         self.io: ModelIO = classify_io(
             [(i.name, _dims(i.shape)) for i in self.session.get_inputs()],
@@ -123,11 +162,14 @@ class ModelRunner:
         if audio.shape != (batch, *self.io.audio_shape):
             raise AssetError(f"{self.path}: audio must be [{batch}, {', '.join(map(str, self.io.audio_shape))}], "
                              f"got {list(audio.shape)}")
-        step = self.io.batch or batch
+        step = self.io.batch or min(batch, self.max_frames or batch)
         for start in range(0, batch, step):
             end = min(start + step, batch)
+            # NOTE: onnxruntime's CPU arena keeps what a call grew it to; after a split batch it gives
+            # that back, so a long request does not leave the worker holding its whole budget.
+            shrink = end == batch and batch > step
             if end - start == step or self.io.batch is None:
-                self._run(visual[start:end], audio[start:end], out[start:end])
+                self._run(visual[start:end], audio[start:end], out[start:end], shrink)
             else:  # the last chunk of a fixed-batch model: pad, run, keep the real frames
                 pad_v = np.zeros((step, *visual.shape[1:]), np.float32)
                 pad_a = np.zeros((step, *audio.shape[1:]), np.float32)
@@ -136,7 +178,7 @@ class ModelRunner:
                 self._run(pad_v, pad_a, pad_o)
                 out[start:end] = pad_o[: end - start]
 
-    def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray) -> None:
+    def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray, shrink: bool = False) -> None:
         if self._cuda is not None:
             self._cuda.run(visual, audio, out)
             return
@@ -147,10 +189,51 @@ class ModelRunner:
         if not out.flags.c_contiguous:
             raise ValueError("output buffer must be C-contiguous")
         binding.bind_output(self.io.output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
-        self.session.run_with_iobinding(binding)
+        options = None
+        if shrink:
+            options = ort.RunOptions()
+            options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self.session.run_with_iobinding(binding, options)
+
+    def _zeros_run(self, batch: int) -> None:
+        out = np.empty((batch, 3, 320, 320), np.float32)
+        self.run(np.zeros((batch, 6, 320, 320), np.float32), np.zeros((batch, *self.io.audio_shape), np.float32), out)
+
+    def _memory(self) -> int:
+        """Peak bytes since `_peak_reset` on the CPU; device bytes in use on a GPU (onnxruntime's CUDA arena
+        keeps what a run grew it to, so that is the run's peak)."""
+        if self._cuda is None:
+            return _peak_rss()
+        from gpu_actor.cuda import device_memory_used
+        return device_memory_used(cuda_id(self.device))
+
+    def _budget(self) -> int:
+        if self.batch_memory_bytes:
+            return self.batch_memory_bytes
+        if self._cuda is None:
+            free = psutil.virtual_memory().available
+        else:
+            from gpu_actor.cuda import device_memory_free
+            free = device_memory_free(cuda_id(self.device))
+        return int(free * AUTO_BUDGET_SHARE / max(self._workers, 1))
 
     def warm_up(self) -> None:
-        """One run at load, so the first request does not pay for lazy initialisation."""
-        b = self.io.batch or 1
-        out = np.empty((b, 3, 320, 320), np.float32)
-        self.run(np.zeros((b, 6, 320, 320), np.float32), np.zeros((b, *self.io.audio_shape), np.float32), out)
+        """Runs at load, so the first request does not pay for lazy initialisation; on a model with a free
+        batch dimension, a 1-frame and a 2-frame run measure its memory per frame and size `max_frames`."""
+        if self.io.batch is not None:   # its calls have one size whatever the request
+            self._zeros_run(self.io.batch)
+            return
+        _peak_reset()
+        before = self._memory()
+        self._zeros_run(1)
+        one = self._memory()
+        _peak_reset()
+        self._zeros_run(2)
+        two = self._memory()
+        # NOTE: conservative on purpose: the first run also pays lazy initialisation, and another thread
+        # of the worker may run meanwhile; either makes the estimate larger, never the batch too large.
+        self.frame_bytes = max(two - one, (two - before) // 2, MIN_FRAME_BYTES)
+        budget = self._budget()
+        self.max_frames = max(1, budget // self.frame_bytes)
+        log.info("model %s: %.0f MB peak per frame, up to %d frames per call (budget %.0f MB)", self.path,
+                 self.frame_bytes / 1e6, self.max_frames, budget / 1e6)

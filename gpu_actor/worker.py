@@ -60,7 +60,8 @@ class InferenceWorker:
         self._wake_lock = threading.Lock()
         self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder)
+                                 self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
+                                 batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
