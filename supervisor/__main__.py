@@ -41,6 +41,11 @@ def keys_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from supervisor.ownership import check_own_packages   # NOTE: first: `config` below may be another project's
+    collision = check_own_packages()
+    if collision:
+        print(collision, file=sys.stderr)
+        return 3
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
     if argv[:1] == ["import-synctalk2d"]:
