@@ -67,7 +67,7 @@ def test_a_10_s_pcm_composite_on_unet_328_with_max_batch_256_stays_in_budget(tmp
     cfg = base_config(root, **{"limits.max_batch": 256, "limits.request_timeout_s": 3600, "shm.slots": 1,
                                "compositing.workers": 1, "inference.preload": ["u"],
                                "inference.batch_memory_bytes": budget})
-    with run_server(tmp_path / "srv", cfg) as srv:
+    with run_server(tmp_path, cfg) as srv:
         with srv.client(timeout_s=3600) as c:
             while "u" not in c.stats()["workers"][0].get("loaded", []):   # preloaded: measured, sub-batches sized
                 time.sleep(0.5)
