@@ -26,6 +26,7 @@ import psutil
 from config.assets import AssetError, ModelIO, classify_io
 
 log = logging.getLogger(__name__)
+WARM_FRAMES = 8   # the batch a load also warms at (warm_up), when the memory budget allows it
 AUTO_BUDGET_SHARE = 0.5   # of the memory the device has free at load, when inference.batch_memory_bytes is 0
 MIN_FRAME_BYTES = 4 * (6 + 3) * 320 * 320   # a frame's input and output: the least a frame can cost
 
@@ -237,3 +238,9 @@ class ModelRunner:
         self.max_frames = max(1, budget // self.frame_bytes)
         log.info("model %s: %.0f MB peak per frame, up to %d frames per call (budget %.0f MB)", self.path,
                  self.frame_bytes / 1e6, self.max_frames, budget / 1e6)
+        # NOTE: and once at the batch live sessions' speech shares: a model's first call at a larger batch
+        # grows onnxruntime's memory pool (5x the time of the next call at that size, measured), which a
+        # fresh session's first utterance would otherwise pay while its frames are due
+        warm = min(self.max_frames, WARM_FRAMES)
+        if warm > 2:
+            self._zeros_run(warm)
