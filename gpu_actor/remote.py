@@ -4,9 +4,12 @@ To the edge's frontend and compositors it is an inference worker like any other 
 output ring, messages); it copies each batch from its input slot into the socket once (RemoteInfer,
 tensors as raw frames, the deadline as the budget left), and the mouths from the socket into an output
 slot once. Heartbeats tell it when a host goes away (its requests then get `unavailable` from the
-frontend) and when it is back (used again, no restart of the edge). The GPU host's end is
-frontend/bridge/process.py. Everything the host sends is checked like a client request: a malformed or
-unexpected message is logged and dropped, never fatal.
+frontend) and when it is back (used again, no restart of the edge). A host that shuts down says so
+in its heartbeat answers (`draining`: new work is refused here at once), answers what it has, and
+sends Goodbye: it is then `stopped`, and whatever it did not answer gets `unavailable` saying that it
+shut down, never taken for a lost host. The GPU host's end is frontend/bridge/process.py. Everything
+the host sends is checked like a client request: a malformed or unexpected message is logged and
+dropped, never fatal.
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ from gpu_actor.worker import hand_off
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket, network_socket
-from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
+from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
                           ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, decode,
                           encode)
 from shm.ring import RingError, SlotRing
 
 log = logging.getLogger(__name__)
-FROM_HOST = (Pong, InferDone, LoadDone, StatsReport)
+FROM_HOST = (Pong, InferDone, LoadDone, StatsReport, Goodbye)
 FIRST_RESOLVE_S = 2.0     # a DNS slot waits this long at start for its first answer (then: vacant)
 
 class RemoteWorker:
@@ -72,6 +75,7 @@ class RemoteWorker:
         self._last_pong = time.monotonic()
         self._next_ping = 0.0
         self._next_report = 0.0
+        self._host_stopping = False   # the host said it is shutting down (a Pong's `draining`, its Goodbye)
         self._stopping = False
 
     def stop(self) -> None:
@@ -103,7 +107,7 @@ class RemoteWorker:
             self._done(req, ErrorCode.UNAVAILABLE, f"GPU host {old} left (it is no longer behind its DNS name); retry")
         self.pending.clear()
         self._sync_models(set())
-        self.endpoint = endpoint
+        self.endpoint, self._host_stopping = endpoint, False
         if endpoint is None:
             self.state = ProcState.VACANT
         else:
@@ -156,18 +160,37 @@ class RemoteWorker:
         if now >= self._next_ping:
             self._send_host([encode(Ping(sent=now))])
             self._next_ping = now + self.config.bridge.heartbeat_s
-        if self.state is not ProcState.UNREACHABLE and now - self._last_pong > self.config.bridge.dead_after_s:
-            log.warning("GPU host %s does not answer heartbeats", self.endpoint)
-            self.state = ProcState.UNREACHABLE
-            self.pending.clear()  # the frontend answers them all `unavailable`
-            self._report(self.state)
-        elif now >= self._next_report and (self.state in (ProcState.UNREACHABLE, ProcState.STARTING)
+        gone = (ProcState.UNREACHABLE, ProcState.STOPPED)
+        if self.state not in gone and now - self._last_pong > self.config.bridge.dead_after_s:
+            if self._host_stopping:   # it said it is shutting down: its silence is that
+                log.warning("GPU host %s went silent after saying it is shutting down (no Goodbye came)",
+                            self.endpoint)
+                self._host_stopped()
+            else:
+                log.warning("GPU host %s does not answer heartbeats", self.endpoint)
+                self.state = ProcState.UNREACHABLE
+                self.pending.clear()  # the frontend answers them all `unavailable`
+                self._report(self.state)
+        elif now >= self._next_report and (self.state in (*gone, ProcState.STARTING)
                                            or (self.watcher is not None and self.state is not None)):
             # NOTE: a DNS slot says every state again each second: the supervisor only knows its
             # process is up, and says "ready" to a restarted frontend.
             # Repeated while not ready, so a restarted frontend learns it too, and so it outlasts the
             # supervisor's own "ready" for this process should that arrive later.
             self._report(self.state)
+
+    def _host_stopped(self) -> None:
+        """The host shut down: what it did not answer gets `unavailable` saying so, before the frontend
+        hears `stopped` (on the same socket: it would fail them as a lost process's)."""
+        for req in self.pending:
+            self._done(req, ErrorCode.UNAVAILABLE, self._shutting_down())
+        self.pending.clear()
+        log.info("GPU host %s shut down", self.endpoint)
+        self.state = ProcState.STOPPED
+        self._report(self.state)
+
+    def _shutting_down(self) -> str:
+        return f"GPU host {self.endpoint} is shutting down; retry on another"
 
     def _report(self, state: ProcState) -> None:
         self._next_report = time.monotonic() + 1.0
@@ -177,6 +200,9 @@ class RemoteWorker:
 
     def _from_frontend(self, msg) -> None:
         if isinstance(msg, InferTask):
+            if self._host_stopping:
+                self._done(msg.req, ErrorCode.UNAVAILABLE, self._shutting_down())
+                return
             not_ready = {ProcState.UNREACHABLE: "is unreachable",
                          ProcState.STARTING: "has no ready inference worker",
                          ProcState.VACANT: "(a DNS slot) has no host behind it"}.get(self.state)
@@ -218,6 +244,12 @@ class RemoteWorker:
             raise ValueError(f"a {type(msg).__name__} is not a message a GPU host sends")
         if isinstance(msg, Pong):
             self._last_pong = time.monotonic()
+            if msg.draining and not self._host_stopping:
+                log.info("GPU host %s is shutting down: it finishes (or answers) what it has, and takes no more",
+                         self.endpoint)
+            self._host_stopping = msg.draining
+            if msg.draining and self.state is ProcState.STOPPED:
+                return   # its last heartbeat answers, after its Goodbye
             state = ProcState.READY if msg.workers_ready else ProcState.STARTING
             if state != self.state:
                 log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
@@ -229,6 +261,11 @@ class RemoteWorker:
             self._infer_done(msg, frames[1:])
         elif isinstance(msg, (LoadDone, StatsReport)):
             self.to_frontend.send(encode(msgspec.structs.replace(msg, worker=self.index)))
+        elif isinstance(msg, Goodbye):   # after its last replies: the host closes once it has this answer
+            self._send_host([encode(Goodbye())])
+            self._host_stopping = True
+            if self.state is not ProcState.STOPPED:
+                self._host_stopped()
 
     def _sync_models(self, loaded: set[str]) -> None:
         for model, event in [(m, "loaded") for m in loaded - self.loaded] + [(m, "unloaded") for m in self.loaded - loaded]:

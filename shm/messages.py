@@ -287,12 +287,20 @@ class Pong(_Msg):
     sent: float
     loaded: list[str]                # models loaded on the GPU host, for the edge's routing
     workers_ready: int = 0           # the GPU host serves only while at least one of its workers is ready
+    draining: bool = False           # the GPU host is shutting down: it takes no new work
+
+
+class Goodbye(_Msg):
+    """GPU host -> edge once every request of the edge's is answered, just before the host closes;
+    the edge answers with a Goodbye. Until that answer the host keeps its socket open: replies sent
+    right before a socket closes can be lost, and the Goodbye, sent after them on the same connection,
+    arrives only after them."""
 
 
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
     CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
-    RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
+    Goodbye, RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -215,6 +215,28 @@ def test_idle_renders_go_to_the_least_busy_compositor_and_end_like_any_request()
     assert held(e) == NOTHING
 
 
+@pytest.mark.parametrize("state", [ProcState.UNREACHABLE, ProcState.STOPPED])
+def test_a_gpu_host_that_goes_keeps_the_requests_whose_mouths_came_back(state):
+    """An edge's GPU host lost, or shut down after its Goodbye: what was still on it is answered
+    `unavailable` saying which; a request whose mouths came back first is composited as usual (the
+    edge's RemoteWorker, and the output slot it wrote them into, live on)."""
+    e = engine()
+    back, actions = submit(e)
+    (d,) = of(actions, Dispatch)
+    e.infer_done(InferDone(req=back.req, worker=0, ok=True))   # compositing now
+    still, _ = submit(e)
+    actions = e.process_event("gpu", 0, state, pid=100)
+    (fail,) = ends(actions)
+    assert fail.request is still and fail.code == ErrorCode.UNAVAILABLE
+    assert ("shutting down" if state is ProcState.STOPPED else "unreachable") in fail.message
+    assert ReleaseOutput(0, back.req) not in actions
+    for chunk in d.plan:
+        actions = e.composite_done(CompositeDone(req=back.req, compositor=chunk.compositor, start=chunk.start,
+                                                 end=chunk.end, ok=True, width=8, height=6), [b"x"] * 2)
+    assert ends(actions) == [Done(back)] and ReleaseOutput(0, back.req) in actions
+    assert held(e) == NOTHING
+
+
 def test_readiness_in_every_state():
     from frontend.core.scheduler import CompositorState, WorkerState
     from frontend.probes import SERVING, readiness

@@ -12,6 +12,11 @@ that compositing truncates them to anyway: 4x fewer bytes, same pixels.
 An edge is a peer, not a trusted part of this host: every message is validated like a client
 request; a malformed one is logged and dropped, one with a request id gets `bad_request`. Deadlines
 arrive as a budget and are re-anchored on this host's clock (hosts never share a monotonic clock).
+
+On SIGTERM every request an edge has here gets its result, or `unavailable` (shutting down) at
+supervisor.shutdown_timeout_s; heartbeat answers say `draining` meanwhile. Then each edge is sent a
+Goodbye after its last replies, and the bridge closes once every edge has answered it (at most
+GOODBYE_WAIT_S): an edge never has to take this host's silence for an answer.
 """
 
 from __future__ import annotations
@@ -36,16 +41,20 @@ from frontend.core.shell import Shell
 from shm.child import CannotServe, bind_endpoint, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
-from shm.messages import (InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer, StatsQuery,
-                          StatsReport, UnloadModel, decode, encode)
+from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer,
+                          StatsQuery, StatsReport, UnloadModel, decode, encode)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
-FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery)
+FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery, Goodbye)
 # NOTE: below the edge's own wait (the engine's STATS_TIMEOUT_S), so that the edge gets this host's partial answer
 STATS_WAIT_S = 0.75 * STATS_TIMEOUT_S
 POLL_MS = 500
 EDGE_GONE_S = 30.0   # an edge silent this long (it pings every bridge.heartbeat_s) has gone: its pins go
+SHUTTING_DOWN = "this GPU host is shutting down; retry on another"
+# NOTE: below the 2 s past supervisor.shutdown_timeout_s that the supervisor gives the bridge to exit
+GOODBYE_WAIT_S = 1.0
+LIVE_EDGE_S = 5.0    # an edge heard from this recently is told goodbye at shutdown
 
 
 @dataclass
@@ -87,6 +96,8 @@ class BridgeServer(Shell):
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
         self._edges_seen: dict[bytes, float] = {}
         self._next_pin_check = 0.0
+        self._goodbye_until: Optional[float] = None
+        self._farewells: set[bytes] = set()   # edges told goodbye that have not answered it yet
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
         self._stopping = False
         probes.serve(config.metrics.host, config.metrics.port, self.readiness)
@@ -109,12 +120,12 @@ class BridgeServer(Shell):
         poller.register(self.edges, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         while True:
-            if self._stopping:   # SIGTERM: take nothing new, finish (or answer) what is in flight
-                self.start_draining(time.monotonic())
-                if self.drain_step(time.monotonic(), "this GPU host is shutting down; retry on another"):
-                    return
-            due = self.engine.next_deadline()
-            timeout = POLL_MS if due is None else min(POLL_MS, max(int((due - time.monotonic()) * 1000) + 1, 0))
+            now = time.monotonic()
+            if self._stopping and self._stopped(now):
+                return
+            ends = self._goodbye_until if self._goodbye_until is not None else self.drain_due()
+            due = min((d for d in (self.engine.next_deadline(), ends) if d is not None), default=None)
+            timeout = POLL_MS if due is None else min(POLL_MS, max(int((due - now) * 1000) + 1, 0))
             events = dict(poller.poll(timeout))
             if events.get(self.edges):
                 while self.edges.poll(0):
@@ -127,6 +138,22 @@ class BridgeServer(Shell):
             if self._pins and now >= self._next_pin_check:   # once a second, not once per message
                 self._next_pin_check = now + 1.0
                 self._release_gone_edges(now)
+
+    def _stopped(self, now: float) -> bool:
+        """SIGTERM: take nothing new and finish (or answer) what is in flight (core/shell.py), then tell
+        each edge goodbye and keep the socket open until it answers (or GOODBYE_WAIT_S): True once the
+        bridge may close. NOTE: the replies of the drain are only known to have arrived once the edge
+        answers the Goodbye sent after them; a socket closed right after them may lose them, and the
+        edge would then see a silent host (`unreachable`) instead of an answer."""
+        self.start_draining(now)
+        if self._goodbye_until is None:
+            if not self.drain_step(now, SHUTTING_DOWN):
+                return False
+            self._goodbye_until = now + GOODBYE_WAIT_S
+            self._farewells = {e for e, seen in self._edges_seen.items() if now - seen < LIVE_EDGE_S}
+            for identity in self._farewells:
+                self._send(identity, Goodbye())
+        return not self._farewells or now >= self._goodbye_until
 
     # -- edges ----------------------------------------------------------------------------------
 
@@ -150,14 +177,17 @@ class BridgeServer(Shell):
             # its edges fail the work in flight on it, which draining is there to finish.
             loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
             self._send(identity, Pong(sent=msg.sent, loaded=loaded,
-                                      workers_ready=sum(w.ready for w in self.engine.workers)))
+                                      workers_ready=sum(w.ready for w in self.engine.workers), draining=self.draining))
+            return
+        if isinstance(msg, Goodbye):   # the edge has every reply of the drain
+            self._farewells.discard(identity)
             return
         if isinstance(msg, LoadModel) and msg.pin < 0:   # an edge's session closed (no answer)
             self._unpin(identity, msg.model)
             return
         call = EdgeCall(identity, msg.req, msg)
         if self.draining:
-            self._refuse(call, ErrorCode.UNAVAILABLE, "this GPU host is shutting down; retry on another")
+            self._refuse(call, ErrorCode.UNAVAILABLE, SHUTTING_DOWN)
             return
         try:
             request = self._request(call, msg, frames[2:])

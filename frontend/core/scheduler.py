@@ -33,6 +33,8 @@ from shm.messages import (Chunk, CompositeDone, InferDone, LoadDone, LoadModel, 
 
 
 STATS_TIMEOUT_S = 2.0   # how long a `stats` op waits for the workers' answers before it answers with what came
+# What an edge's RemoteWorker says of its GPU host: the worker process, and its output ring, live on.
+HOST_STATES = (ProcState.UNREACHABLE, ProcState.STARTING, ProcState.VACANT, ProcState.STOPPED)
 
 
 # -- actions -------------------------------------------------------------------------------------
@@ -426,6 +428,7 @@ class Scheduler:
         device = proc.device if isinstance(proc, WorkerState) else "cpu"
         reason = {ProcState.UNREACHABLE: f"{what} ({device}) is unreachable; retry",
                   ProcState.STARTING: f"{what} ({device}) has no ready inference worker on its host; retry",
+                  ProcState.STOPPED: f"{what} ({device}) is shutting down; retry on another",
                   }.get(state, f"{what} died and is restarting; retry")
         actions: list[Action] = []
         for req in list(proc.active):
@@ -438,6 +441,8 @@ class Scheduler:
                 if not r.waiting_on:
                     actions += self._finish(r)
                 continue
+            if role == "gpu" and state in HOST_STATES and r.worker == index and r.state is State.COMPOSITING:
+                continue   # its mouths came back before its GPU host went: they are composited as usual
             if isinstance(proc, WorkerState) and r.worker == index:
                 # NOTE: its slots died with the worker: ResetInputs frees the inputs, and a new worker
                 # takes its output ring over.

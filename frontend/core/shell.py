@@ -112,6 +112,10 @@ class Shell:
             log.info("draining: %d request(s) in flight, at most %g s (supervisor.shutdown_timeout_s)",
                      len(self.engine.table), self.shutdown_timeout_s)
 
+    def drain_due(self) -> Optional[float]:
+        """When the drain ends at the latest (a shell's loop wakes for it); None when not draining."""
+        return self._drain_until if self.draining else None
+
     def drain_step(self, now: float, message: Optional[str] = None) -> bool:
         """True once drained: nothing in flight, or the deadline passed and what was left has been
         answered `unavailable`."""
