@@ -130,6 +130,19 @@ def frames_for(session, seconds: float) -> list:
     return out
 
 
+def frames_until(session, index: int, limit_s: float = 60.0) -> list:
+    """(arrival time, header, image) of every frame a live session (lipsync_client.Session) pushes up
+    to the one numbered `index`: a paced stream's own clock, not the test's. `limit_s` only bounds a
+    stream that stalls."""
+    out, deadline = [], time.monotonic() + limit_s
+    while not out or out[-1][1]["index"] < index:
+        assert time.monotonic() < deadline, f"no frame {index} within {limit_s} s: the stream stalled"
+        frame = session.next_frame(timeout_s=max(deadline - time.monotonic(), 0.001))
+        if frame is not None and frame[0].get("event") == "frame":
+            out.append((time.monotonic(), *frame[:2]))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -189,8 +202,7 @@ class Server:
 
     def stop(self) -> int:
         """SIGTERM, wait, and assert that nothing of the run is left behind."""
-        children = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)] \
-            if self.proc.poll() is None else []
+        children = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
         self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(60)
@@ -200,13 +212,25 @@ class Server:
         self.assert_clean(children)
         return code
 
-    def assert_clean(self, children=()) -> None:
-        time.sleep(0.2)
-        alive = [pid for pid in children if psutil.pid_exists(pid) and
-                 psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    def assert_clean(self, children: list[psutil.Process] = (), wait_s: float = 30.0) -> None:
+        """No process of the run is left (a child the supervisor gave up on dies with it, by
+        PR_SET_PDEATHSIG, a moment later: `wait_s` only bounds a child that never dies), and no
+        /dev/shm entry of it."""
+        deadline = time.monotonic() + wait_s
+        while alive := [p.pid for p in children if _running(p)]:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         assert not alive, f"processes left behind: {alive}"
         left = [s for s in list_segments(TEST_PREFIX) if f"-{self.proc.pid}-" in s]
         assert not left, f"/dev/shm entries left behind: {left}"
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:   # is_running: the same process, not another one that got its pid
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @contextmanager
