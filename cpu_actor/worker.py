@@ -136,6 +136,9 @@ class Compositor:
         item = next(self._preload, None)
         if item is None:
             self._preload = None
+            if self.config.compositing.preload:
+                log.info("compositing.preload: done, this process's share of %s is in the store",
+                         ", ".join(self.config.compositing.preload))
             return
         model, frame, assets = item
         try:

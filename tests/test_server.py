@@ -239,7 +239,10 @@ def test_error_echoes_the_request_id(server):
 
 def test_preloaded_backgrounds_are_store_hits(server):
     # Model "h" is in compositing.preload and never used before this test: every lookup must hit.
-    time.sleep(1.0)  # preloading runs between tasks once the server is up
+    deadline, compositors = time.monotonic() + 60, len(server.pids("cpu"))
+    while server.log.read_text().count("compositing.preload: done") < compositors:   # each one's share
+        assert time.monotonic() < deadline, "the compositors never finished compositing.preload"
+        time.sleep(0.1)
     with server.client() as c:
         c.composite("h", np.zeros((3, 32, 32, 32), np.float32), format="raw")
         assert c.stats("h")["store"]["h"] == {"hits": 3, "misses": 0}
