@@ -13,7 +13,7 @@ import pytest
 
 from lipsync_client import ServerError
 from lipsync_client import Session
-from tests.helpers import base_config, decode_image, frames_for, make_video_avatar, mirror_index, run_server
+from tests.helpers import base_config, decode_image, frames_until, make_video_avatar, mirror_index, run_server
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 5
@@ -40,9 +40,9 @@ def server(models, tmp_path_factory):
         yield srv
 
 
-def units_for(session: Session, seconds: float) -> list:
-    """(header, access unit) of every frame within `seconds`."""
-    return [(header, au) for _, header, au in frames_for(session, seconds)]
+def units_until(session: Session, index: int) -> list:
+    """(header, access unit) of every frame up to the one numbered `index` (the stream's own clock)."""
+    return [(header, au) for _, header, au in frames_until(session, index)]
 
 
 def nal_types(au: bytes) -> list[int]:
@@ -71,9 +71,9 @@ def test_h264_frames_decode_to_the_raw_sessions_pixels(server, models):
     windows = np.random.default_rng(3).standard_normal((8, 32, 16, 16)).astype(np.float32)
     with Session(server.endpoint, "a", format="h264", start_frame=2) as s:
         assert s.info["format"] == "h264"
-        units_for(s, 0.4)
+        units_until(s, 0)   # the stream has started
         first = s.send_audio(windows)["first_frame"]
-        got = units_for(s, 2.5)
+        got = units_until(s, first + 7)
         stats = s.stats()
     headers = [h for h, _ in got]
     assert [h["index"] for h in headers] == list(range(headers[0]["index"], headers[0]["index"] + len(got)))
@@ -99,9 +99,9 @@ def test_h264_frames_decode_to_the_raw_sessions_pixels(server, models):
 
 def test_keyframe_on_request_and_silence_from_the_idle_loop(server):
     with Session(server.endpoint, "a", format="h264") as s:
-        got = units_for(s, 1.5)
+        got = units_until(s, 36)
         at = s.keyframe()
-        got += units_for(s, 0.6)
+        got += units_until(s, max(at, 52))
         stats = s.stats()
     first = got[0][0]
     types = nal_types(got[0][1])
@@ -134,13 +134,13 @@ def test_a_killed_compositor_resumes_with_an_idr(models, tmp_path):
     # Without the idle loop every frame goes through the session's encoder, in its compositor.
     with run_server(tmp_path, h264_config(models, idle_loop=False)) as srv, \
             Session(srv.endpoint, "a", format="h264") as s:
-        before = units_for(s, 1.0)
+        before = units_until(s, 24)
         assert before and all(not h["keyframe"] for h, _ in before[1:6])
         with srv.client() as c:
             pids = [p["pid"] for p in c.health()["processes"] if p["role"] == "cpu"]
         for pid in pids:   # the session's compositor among them
             os.kill(pid, signal.SIGKILL)
-        after = units_for(s, 3.0)
+        after = units_until(s, before[-1][0]["index"] + 75)
         stats = s.stats()
     indices = [h["index"] for h, _ in before + after]
     assert indices == sorted(indices) and len(set(indices)) == len(indices)
