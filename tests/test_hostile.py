@@ -188,22 +188,29 @@ def test_a_model_whose_files_never_answer_does_not_hold_other_clients_up(server,
     d = make_avatar(models, "fifo", n_frames=2)
     (d / "crop_rects.json").unlink()
     os.mkfifo(d / "crop_rects.json")
+    def serve_another() -> float:
+        start = time.monotonic()
+        with server.client(timeout_s=60) as c:
+            assert c.health()["status"] == "ready"
+            assert c.composite("a", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+        return time.monotonic() - start
+
+    # The blocked request's deadline: far longer than serving the other client takes here.
+    timeout_s = 3.0 + 30 * max(serve_another() for _ in range(2))
     try:
         answer = {}
-        header = b'{"op": "composite", "model": "fifo", "batch": 1, "timeout_ms": 3000}'
+        header = json.dumps({"op": "composite", "model": "fifo", "batch": 1, "timeout_ms": int(timeout_s * 1000)})
 
         def blocked_request():
-            answer["replies"] = _ask(server, [header, AUDIO1])
+            answer["replies"] = _ask(server, [header.encode(), AUDIO1], timeout_ms=int(timeout_s * 1000) + 30_000)
             answer["at"] = time.monotonic()
 
         blocked = threading.Thread(target=blocked_request)
         blocked.start()
-        time.sleep(0.3)
-        with server.client(timeout_s=10) as c:
-            assert c.health()["status"] == "ready"
-            assert c.composite("a", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+        time.sleep(0.3)   # it reaches the server (if not, the other client is served first all the same)
+        serve_another()
         served_at = time.monotonic()
-        blocked.join(30)
+        blocked.join(timeout_s + 60)
         err = _error(answer["replies"])
         assert err["code"] == "timeout" and "fifo" in err["message"], err
         assert served_at < answer["at"], "other clients were served only after the blocked read gave up"
