@@ -16,6 +16,10 @@ from pathlib import Path
 from config import parse_config
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264",
@@ -29,6 +33,18 @@ def main() -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
     parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions bench")
+    parser.add_argument("--levels", type=_counts, default=(10, 20, 30, 40),
+                        help="sessions bench: speaking levels (sessions, comma-separated; '' for none)")
+    parser.add_argument("--silent", type=_counts, default=(100, 200, 300),
+                        help="sessions bench: silent levels (sessions, comma-separated; '' for none)")
+    parser.add_argument("--pcm-levels", type=_counts, default=(10, 20),
+                        help="sessions bench (jpeg): 16 kHz PCM speaking levels ('' for none)")
+    parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
+    parser.add_argument("--profile", metavar="DIR", type=Path,
+                        help="sessions bench: a py-spy recording of the frontend per level into DIR, summed up "
+                             "per function per frame sent (needs py-spy installed beside the bench's python)")
+    parser.add_argument("--profile-native", action="store_true",
+                        help="--profile with C frames too (py-spy then pauses the frontend for each sample)")
     args = parser.parse_args()
     from shm.child import tune_malloc
     from supervisor.demo import build_demo
@@ -53,7 +69,9 @@ def main() -> int:
         from bench import sessions
         print(f"live sessions (near-zero-cost model, 1280x720 {'JPEG q75' if args.format == 'jpeg' else 'H.264'}, "
               "25 fps):")
-        results["sessions"] = sessions.run(models_dir, args.seconds, fmt=args.format, budget_ms=args.budget_ms)
+        results["sessions"] = sessions.run(models_dir, args.seconds, args.levels, args.silent, args.pcm_levels,
+                                           fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
+                                           profile=args.profile, native=args.profile_native)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")

@@ -1,6 +1,8 @@
 """Live sessions: how many concurrent 25-fps sessions one machine serves with >= 99 % of frames on time
 (sent <= 40 ms after due) and none dropped, speaking 27 % of the time in bursts of about 3 s, or all
-silent; speech latency; and which process saturates (CPU per process over each run).
+silent; speech latency; and where a level's limit comes from: each process's CPU against one core
+(the first to saturate named), each stage's queue over the run (bench/procstat.py), and with
+--profile the frontend's CPU per frame sent by function (bench/pyspy.py).
 
 A near-zero-cost model (so inference does not hide the rest), the demo's 1280x720 background, JPEG q75
 (or with --format h264, H.264 at sessions.h264's defaults and two compositing processes, the work being
@@ -21,11 +23,13 @@ from typing import Optional
 import numpy as np
 import psutil
 
+from bench import pyspy
+from bench.procstat import CpuSampler, DepthSampler
 from lipsync_client import AsyncSession
 from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
 from config.audio import write_speech
-from tests.helpers import base_config, run_server
+from tests.helpers import base_config, free_port, run_server
 
 FPS = 25.0
 
@@ -117,29 +121,68 @@ def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
             "encoder_ms_per_frame": encoder_s / len(inputs) * 1000}
 
 
-def _cpu(pids: dict) -> dict:
-    return {name: sum(psutil.Process(p).cpu_times()[:2]) for name, p in pids.items()}
-
-
-def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False) -> dict:
-    pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
-    pids["bench client"] = os.getpid()
-    before, t0 = _cpu(pids), time.monotonic()
-    stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts))
-    wall = time.monotonic() - t0
-    after = _cpu(pids)
+def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False,
+               metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False) -> dict:
+    procs = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+    pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
+    cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
+    recording = _record(procs["frontend0"], n, duty, fmt, profile, native)
+    cpu.start()
+    depth.start()
+    try:
+        stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts))
+    finally:
+        cpu.stop()
+        depth.stop()
+        failed = recording.stop() if recording is not None else ""
+    used = cpu.result()
     frames = sum(s["frames_speech"] + s["frames_idle"] for s in stats)
     late = sum(s["late"] for s in stats)
     p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
-    return {"sessions": n, "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames, "speech": sum(s["frames_speech"] for s in stats),
-            "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
-            "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
-            "latency_p99_ms": max(p99) if p99 else None, "format": fmt,
-            "kbit_s_per_session": 8 * sum(s["bytes_per_s"] for s in stats) / len(stats) / 1000,
-            "encoded": sum(s.get("frames_encoded", 0) for s in stats),
-            "stages_ms": _stages(stats), "missed_in": _sum_counts(s.get("missed_in", {}) for s in stats),
-            "frontend_us_per_frame": 1e6 * (after["frontend0"] - before["frontend0"]) / max(frames, 1),
-            "cpu_percent": {k: round(100 * (after[k] - before[k]) / wall) for k in pids}}
+    wall = cpu.samples[-1][0] - cpu.samples[0][0]
+    frontend = used["frontend0"]
+    result = {"sessions": n, "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames,
+              "speech": sum(s["frames_speech"] for s in stats),
+              "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
+              "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
+              "latency_p99_ms": max(p99) if p99 else None, "format": fmt,
+              "kbit_s_per_session": 8 * sum(s["bytes_per_s"] for s in stats) / len(stats) / 1000,
+              "encoded": sum(s.get("frames_encoded", 0) for s in stats),
+              "stages_ms": _stages(stats), "missed_in": _sum_counts(s.get("missed_in", {}) for s in stats),
+              "frontend_us_per_frame": 1e4 * frontend["cpu"] * wall / max(frames, 1),
+              "frontend_loop_us_per_frame": 1e4 * frontend["thread_cpu"] * wall / max(frames, 1),
+              "cpu_percent": {k: round(v["cpu"]) for k, v in used.items() if k != "machine"},
+              "processes": used, "saturated": _first_saturated(used), "queues": depth.result()}
+    result["missed_share"] = result["missed"] / max(result["missed"] + result["speech"], 1)
+    if recording is not None:
+        result["profile"] = ({"error": failed} if failed else
+                             pyspy.summarize(recording.out, frames, result["frontend_loop_us_per_frame"]))
+    return result
+
+
+def _record(pid: int, n: int, duty: float, fmt: str, profile: Optional[Path], native: bool = False):
+    """A py-spy recording of the frontend over the level (--profile), or None."""
+    if profile is None:
+        return None
+    exe = pyspy.find()
+    if exe is None:
+        print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
+        return None
+    profile.mkdir(parents=True, exist_ok=True)
+    out = profile / f"frontend-{fmt}-{n}-{'speaking' if duty else 'silent'}.txt"
+    return pyspy.Recording(exe, pid, out, native=native)
+
+
+def _first_saturated(used: dict) -> dict:
+    """The process that saturated first in the level (its busiest thread >= 90 % of one core over a
+    second), else the busiest one, named as not saturated."""
+    procs = {k: v for k, v in used.items() if k not in ("machine", "bench client")}
+    hit = [(v["saturated_at"], k) for k, v in procs.items() if v["saturated_at"] is not None]
+    if hit:
+        at, name = min(hit)
+        return {"process": name, "at_s": at, "saturated": True, "thread_cpu": procs[name]["thread_cpu"]}
+    name = max(procs, key=lambda k: procs[k]["thread_cpu"])
+    return {"process": name, "at_s": None, "saturated": False, "thread_cpu": procs[name]["thread_cpu"]}
 
 
 def _stages(stats: list[dict]) -> dict:
@@ -202,29 +245,38 @@ def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str
 
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
-        pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280) -> dict:
+        pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280, split: bool = True,
+        profile: Optional[Path] = None, native: bool = False) -> dict:
+    """Each level on one server; `profile`: a directory for a py-spy recording of the frontend per level
+    (`native`: with C frames, pausing the process per sample)."""
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
-        cfg = base_config(models, **_settings(fmt, budget_ms))
+        port = free_port()
+        cfg = base_config(models, **_settings(fmt, budget_ms), **{"metrics.port": port})
         results = []
         with run_server(root, cfg) as srv:
             if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
                 asyncio.run(_level(srv.endpoint, 4, 4.0, 0.5, None, fmt))
             for n in speaking:
-                results.append(_run_level(srv, n, seconds, 0.27, fmt=fmt))
+                results.append(_run_level(srv, n, seconds, 0.27, fmt=fmt, metrics_port=port, profile=profile,
+                                          native=native))
                 _print(results[-1])
             for n in silent:
-                results.append(_run_level(srv, n, seconds, 0.0, fmt=fmt))
+                results.append(_run_level(srv, n, seconds, 0.0, fmt=fmt, metrics_port=port, profile=profile,
+                                          native=native))
                 _print(results[-1])
             if fmt == "jpeg":
-                _pcm_levels(srv, root, models, seconds, pcm_speaking, results)
+                _pcm_levels(srv, root, models, seconds, pcm_speaking, results, port)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms)}
+    return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms) if split else None}
 
 
-def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: list) -> None:
+def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: list,
+                metrics_port: Optional[int] = None) -> None:
+    if not levels:
+        return
     speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
     costs = _pcm_costs(models / "avatar" / "audio_encoder.onnx", speech)
     print(f"  PCM: mel in the frontend {costs['mel_us_per_chunk']:.0f} us per 20-ms chunk "
@@ -232,7 +284,7 @@ def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: 
           f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
     for n in levels:
         for tts in (False, True):
-            results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts))
+            results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts, metrics_port=metrics_port))
             _print(results[-1])
 
 
@@ -240,14 +292,52 @@ def _print(r: dict) -> None:
     pcm = (" (16 kHz PCM, TTS-like: 200-ms chunks at 2x real time)" if r.get("tts") else
            " (16 kHz PCM, 20-ms chunks in real time)") if r.get("pcm") else ""
     kind = ("speaking 27%" + pcm) if r["duty"] else "silent"
-    cpu = ", ".join(f"{k} {v}%" for k, v in r["cpu_percent"].items())
     print(f"  {r['sessions']:4d} sessions {kind}: {r['frames']} frames ({r['speech']} speech), "
           f"{100 * r['on_time']:.2f}% on time, late {r['late']} (max {r['max_late_ms']:.0f} ms), "
-          f"missed {r['missed']}, dropped {r['dropped']}, speech latency p99 {r['latency_p99_ms']} ms, "
-          f"{r['kbit_s_per_session']:.0f} kbit/s per session"
-          + (f", {r['encoded']} frames encoded (the rest from the idle loop)" if r["format"] == "h264" else "") + "\n"
-          f"        CPU: {cpu}; the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent", flush=True)
+          f"missed {r['missed']} ({100 * r['missed_share']:.1f}% of speech), dropped {r['dropped']}, "
+          f"speech latency p99 {r['latency_p99_ms']} ms, {r['kbit_s_per_session']:.0f} kbit/s per session"
+          + (f", {r['encoded']} frames encoded (the rest from the idle loop)" if r["format"] == "h264" else ""),
+          flush=True)
+    _print_processes(r)
     if r.get("stages_ms"):
         print("        speech frame stages, ms p50/p99/max: " + ", ".join(
             f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for name, v in r["stages_ms"].items())
               + (f"; missed while in: {r['missed_in']}" if r.get("missed_in") else ""), flush=True)
+    _print_queues(r.get("queues") or {})
+    if r.get("profile"):
+        if "error" in r["profile"]:
+            print(f"        profile failed: {r['profile']['error']}", flush=True)
+        else:
+            pyspy.print_summary(r["profile"])
+
+
+def _print_processes(r: dict) -> None:
+    """CPU per process against one core, its busiest thread, and which one saturated first."""
+    procs, machine = r["processes"], r["processes"]["machine"]
+    parts = []
+    for name, v in procs.items():
+        if name == "machine":
+            continue
+        mark = " SATURATED" if v["saturated"] else (f" (>= 90% from {v['saturated_at']} s)" if v["saturated_at"] is not None
+                                                   else "")
+        parts.append(f"{name} {v['cpu']:.0f}% (max {v['cpu_max']:.0f}%, thread {v['thread']} {v['thread_cpu']:.0f}%, "
+                     f"waited for a core {v['wait']:.0f}%){mark}")
+    first = r["saturated"]
+    verdict = (f"{first['process']} saturated first ({first['at_s']} s in, its busiest thread {first['thread_cpu']:.0f}% "
+               "of a core)" if first["saturated"] else
+               f"no process saturated (the busiest: {first['process']}, its busiest thread {first['thread_cpu']:.0f}%)")
+    print(f"        CPU, % of one core over the run: " + "; ".join(parts) + "\n"
+          f"        machine {machine['cpu']:.0f}% of {100 * machine['cores']}%; {verdict}; "
+          f"the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent "
+          f"({r['frontend_loop_us_per_frame']:.0f} us in its busiest thread)", flush=True)
+
+
+def _print_queues(q: dict) -> None:
+    """Each stage's queue over the run (mean/max), and missed speech second by second."""
+    if not q:
+        return
+    print("        queues, mean/max over the run: " + "; ".join(
+        f"{name} {v['mean']:g}/{v['max']:g}" for name, v in q["queues"].items()), flush=True)
+    if q.get("per_second"):
+        print("        per second: " + "; ".join(f"{kind} {' '.join(map(str, series))}"
+                                                for kind, series in q["per_second"].items()), flush=True)
