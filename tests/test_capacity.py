@@ -1,0 +1,110 @@
+"""When a host is full (frontend/live/capacity.py), on made-up loads and the test's own clock: a session is
+refused `busy` before one more would push the processes past their share of the cores, or one
+single-threaded process past its core; a burst on an idle host is let in a few at a time until measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.live.capacity import RAMP, Capacity, ProcessCpu, host_cores
+
+
+class Host:
+    """Processes whose CPU grows by a given cost per session per second, on a clock the test moves."""
+
+    def __init__(self, capacity: Capacity, per_session: dict, base: dict):
+        self.capacity, self.per_session, self.base = capacity, per_session, base
+        self.now, self.cpu = 0.0, {name: 0.0 for name in per_session}
+
+    def run(self, sessions: int, seconds: float) -> None:
+        steps = round(seconds / 0.5)
+        for _ in range(steps):
+            self.now += 0.5
+            for name in self.cpu:
+                self.cpu[name] += 0.5 * (self.base[name] + self.per_session[name] * sessions)
+            self.capacity.sample(self.now, self.cpu, sessions)
+
+    def fill(self, limit: int = 1000) -> int:
+        """Open sessions one at a time, each after the window has measured the last: how many are let in."""
+        sessions = 0
+        while sessions < limit and self.capacity.refuse(self.now, sessions) is None:
+            sessions += 1
+            self.run(sessions, 2.0)
+        return sessions
+
+
+def test_the_cores_set_the_limit_at_max_load():
+    # 3 % of a core per session in the frontend, 2 % in each of two compositors: 7 % of a core each
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
+    host = Host(cap, {"frontend": 0.03, "cpu0": 0.02, "cpu1": 0.02}, {"frontend": 0.01, "cpu0": 0.0, "cpu1": 0.0})
+    host.run(0, 2.0)
+    admitted = host.fill()
+    # (0.01 + 0.07 n) <= 1.5  ->  n <= 21
+    assert admitted == 21
+    busy = cap.refuse(host.now, admitted)
+    assert busy is not None and "cores" in busy.message and busy.retry_after_s > 0
+
+
+def test_one_saturating_process_sets_the_limit_before_the_cores_do():
+    # the frontend takes 8 % of its core per session; the machine as a whole would hold more
+    cap = Capacity(cores=8, max_load=0.75, max_process_load=0.9)
+    host = Host(cap, {"frontend": 0.08, "cpu0": 0.01}, {"frontend": 0.0, "cpu0": 0.0})
+    admitted = host.fill()
+    assert admitted == 11   # 0.08 n <= 0.9
+    assert "frontend" in cap.refuse(host.now, admitted).message
+
+
+def test_a_process_that_may_use_many_cores_is_held_to_the_total_only():
+    cap = Capacity(cores=8, max_load=0.75, max_process_load=0.9, single_threaded=lambda name: name != "gpu0")
+    host = Host(cap, {"frontend": 0.01, "gpu0": 0.2}, {"frontend": 0.0, "gpu0": 0.0})
+    assert host.fill() == 28   # 0.21 n <= 6, though gpu0 alone passes one core at 5 sessions
+
+
+def test_a_burst_on_an_idle_host_is_let_in_a_few_per_window_until_measured():
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
+    host = Host(cap, {"frontend": 0.07}, {"frontend": 0.0})
+    host.run(0, 2.0)
+    admitted = [cap.refuse(host.now, n) is None for n in range(10)]
+    assert sum(admitted) == RAMP
+    busy = cap.refuse(host.now, RAMP)
+    assert "measured" in busy.message and busy.retry_after_s == cap.window_s
+    host.run(RAMP, 2.0)          # now their cost is known: 7 % each
+    # the burst's rest fits by the measured cost, all at once: 0.07 n <= 0.9 (the frontend's core)
+    extra = 0
+    while cap.refuse(host.now, RAMP + extra) is None:
+        extra += 1
+    assert RAMP + extra == 12
+
+
+def test_sessions_that_close_make_room_at_once():
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
+    host = Host(cap, {"frontend": 0.05, "cpu0": 0.05}, {"frontend": 0.0, "cpu0": 0.0})
+    full = host.fill()
+    assert cap.refuse(host.now, full) is not None
+    assert cap.refuse(host.now, full - 2) is None   # two closed since the window's measurement
+
+
+def test_a_restarted_process_does_not_count_its_new_clock_as_load():
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
+    host = Host(cap, {"frontend": 0.05, "cpu0": 0.05}, {"frontend": 0.0, "cpu0": 0.0})
+    host.run(4, 2.0)
+    host.cpu["cpu0"] = 0.0        # the compositor was restarted: its CPU time starts again
+    host.run(4, 0.5)
+    assert cap.load.by_process["cpu0"] == 0.0 and cap.refuse(host.now, 4) is None
+
+
+def test_the_hosts_own_processes_are_read():
+    import os
+    cpu = ProcessCpu()
+    cpu.track("me", os.getpid())
+    cpu.track("gone", 2 ** 22 + 12345)      # no such process: left out
+    sum(i * i for i in range(200_000))
+    assert set(cpu.read()) == {"me"} and cpu.read()["me"] > 0
+    assert 0 < host_cores() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("quota, cores", [("max 100000", None), ("50000 100000", 0.5), ("garbage", None)])
+def test_a_containers_cpu_quota_caps_the_cores(quota, cores, tmp_path):
+    import os
+    (tmp_path / "cpu.max").write_text(quota)
+    assert host_cores(str(tmp_path / "cpu.max")) == (cores or len(os.sched_getaffinity(0)))
