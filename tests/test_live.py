@@ -22,6 +22,7 @@ from frontend.core.scheduler import CompositorState
 from frontend.live.service import Live, Pin, SpeechBatch
 from frontend.metrics import Metrics
 from shm.codes import ErrorCode, ProcState
+from shm.messages import RenderIdle
 
 FPS = 25
 SPEC = SimpleNamespace(id="a", version=3, audio_shape=(32, 16, 16), frames=6, width=320, height=240, order="mirror",
@@ -59,8 +60,8 @@ class RecordingHost:
     def close_encoder(self, compositor: int, session: str) -> None:
         self.closed_encoders.append((compositor, session))
 
-    def of(self, kind, data_type=None) -> list:
-        return [r for r in self.submitted if r.kind is kind and (data_type is None or isinstance(r.data, data_type))]
+    def of(self, kind, work_type=None) -> list:
+        return [r for r in self.submitted if r.kind is kind and (work_type is None or isinstance(r.work, work_type))]
 
 
 class Peer:
@@ -120,7 +121,7 @@ def _open(live: Live, peer: Peer, **fields) -> str:
     for r in host.of(Kind.LOAD, Pin):
         if not r.results:
             r.results = [SimpleNamespace(worker=0)]
-            live.done(r)
+            _done(r)
     _finish_idle_renders(live, host)
     return _replies(host, peer)[-1]["session"]
 
@@ -134,18 +135,29 @@ def _audio(live: Live, peer: Peer, token: str, n: int, value: float = 1.0, **fie
                                            [np.full((n, 32, 16, 16), value, np.float32).tobytes()]))
 
 
+def _done(r) -> None:
+    """The engine ended `r` well: the host calls its work, as core/shell.py does."""
+    r.work.done(r)
+
+
+def _failed(r, message: str) -> None:
+    r.work.failed(r, ErrorCode.UNAVAILABLE, message)
+
+
 def _finish_idle_renders(live: Live, host: RecordingHost) -> None:
     """The compositors' answer to every idle render asked for: one encoded image per frame."""
     for r in host.of(Kind.RENDER):
         if not r.images:
-            r.images = {0: [f"idle-{b}".encode() for b in r.data.frames]}
-            live.done(r)
+            message = r.work.message(r)   # what the host sends the compositor
+            assert isinstance(message, RenderIdle) and message.req == r.req and message.frames == r.work.frames
+            r.images = {0: [f"idle-{b}".encode() for b in message.frames]}
+            _done(r)
 
 
 def _composite(live: Live, r, label: str) -> None:
     """The compositors' answer to a speech batch: frame k of session t is `label-t-k`."""
-    r.images = {0: [f"{label}-{t}-{k}".encode() for t, k, _ in r.data.targets]}
-    live.done(r)
+    r.images = {0: [f"{label}-{t}-{k}".encode() for t, k, _ in r.work.targets]}
+    _done(r)
 
 
 def _frames(host: RecordingHost, peer: Peer) -> list[tuple[dict, list]]:
@@ -161,10 +173,10 @@ def test_open_answers_once_the_model_is_pinned_and_the_first_frames_are_rendered
     [pin] = host.of(Kind.LOAD, Pin)
     assert pin.pin == 1 and pin.model == "a"
     renders = host.of(Kind.RENDER)
-    assert renders and sum(r.batch for r in renders) == len({b for r in renders for b in r.data.frames})
+    assert renders and sum(r.batch for r in renders) == len({b for r in renders for b in r.work.frames})
     clock.advance(0.5)
     pin.results = [SimpleNamespace(worker=0)]
-    live.done(pin)
+    _done(pin)
     assert not _replies(host, owner), "answered before its first frames were rendered"
     _finish_idle_renders(live, host)
     [reply] = _replies(host, owner)
@@ -178,7 +190,7 @@ def test_open_answers_once_the_model_is_pinned_and_the_first_frames_are_rendered
     assert len(host.of(Kind.RENDER)) == len(renders), "its frames are rendered already"
     second = host.of(Kind.LOAD, Pin)[1]
     second.results = [SimpleNamespace(worker=0)]
-    live.done(second)
+    _done(second)
     assert _replies(host, other)[0]["ok"]
     live.handle(_call("session_close", owner, session=token), [])
     assert host.unpinned == [(0, "a")] and live.table.get(token) is None
@@ -188,7 +200,7 @@ def test_an_open_whose_model_cannot_load_or_be_ready_in_time_fails_and_holds_not
     live, host, clock = _live()
     a, b, c = Peer("a"), Peer("b"), Peer("c")
     live.handle(_call("session_open", a, model="a"), [])
-    live.failed(host.of(Kind.LOAD, Pin)[0], "model a: bad_request: model.onnx is not an ONNX model")
+    _failed(host.of(Kind.LOAD, Pin)[0], "model a: bad_request: model.onnx is not an ONNX model")
     [error] = _replies(host, a)
     assert not error["ok"] and error["error"]["code"] == "unavailable" and "not an ONNX model" in error["error"]["message"]
     live.handle(_call("session_open", b, model="a"), [])
@@ -197,12 +209,12 @@ def test_an_open_whose_model_cannot_load_or_be_ready_in_time_fails_and_holds_not
     assert error["error"]["code"] == "timeout" and "limits.request_timeout_s" in error["error"]["message"]
     pin = host.of(Kind.LOAD, Pin)[1]   # its load ends after all: nothing stays pinned for it
     pin.results = [SimpleNamespace(worker=1)]
-    live.done(pin)
+    _done(pin)
     assert host.unpinned == [(1, "a")]
     live.handle(_call("session_open", c, model="a"), [])   # its client goes while it opens
     pin = host.of(Kind.LOAD, Pin)[2]
     pin.results = [SimpleNamespace(worker=0)]
-    live.done(pin)
+    _done(pin)
     live.client_gone(c.conn)
     assert host.unpinned == [(1, "a"), (0, "a")] and not len(live.table) and not live._opening
     _finish_idle_renders(live, host)
@@ -221,7 +233,7 @@ def test_speech_is_batched_across_sessions_then_paced_out_in_order():
     assert len(speech) == 1, "both sessions' frames share one request"
     r = speech[0]
     assert r.batch == 6 and r.inputs.layout == "windows" and r.inputs.window == (32, 16, 16)
-    assert sorted((t, k) for t, k, _ in r.data.targets) == sorted(
+    assert sorted((t, k) for t, k, _ in r.work.targets) == sorted(
         (t, f + i) for t, f in zip(tokens, firsts) for i in range(3))
     assert len(r.inputs.audio) == 6 * 32 * 16 * 16 * 4
     _composite(live, r, "speech")
@@ -246,7 +258,7 @@ def test_a_failed_speech_batch_goes_out_idle_and_counts_missed():
     _finish_idle_renders(live, host)
     first = _audio(live, owner, token, 2)["first_frame"]
     clock.advance(1 / FPS)
-    live.failed(host.of(Kind.COMPOSITE, SpeechBatch)[0], "a worker died")
+    _failed(host.of(Kind.COMPOSITE, SpeechBatch)[0], "a worker died")
     clock.advance((first + 3) / FPS + 0.1)
     stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
     assert stats["missed"] == 2 and stats["frames_speech"] == 0, stats
@@ -262,7 +274,7 @@ def test_a_cut_utterance_in_flight_never_fills_the_next_utterances_frames():
     one = _audio(live, owner, token, 20, utterance=1)
     clock.advance(1 / FPS)
     [cut] = host.of(Kind.COMPOSITE, SpeechBatch)
-    assert {u for _, _, u in cut.data.targets} == {1}
+    assert {u for _, _, u in cut.work.targets} == {1}
     interrupted = msgspec.json.decode(live.handle(_call("session_interrupt", owner, session=token), []))
     assert interrupted["dropped"] == 20 and interrupted["utterance"] == 1
     two = _audio(live, owner, token, 20, utterance=2)
@@ -317,7 +329,7 @@ def test_an_interrupt_takes_the_sessions_frames_out_of_a_shared_batch():
     live.handle(_call("session_interrupt", a, session=ta), [])
     clock.advance(1 / FPS)
     [r] = host.of(Kind.COMPOSITE, SpeechBatch)
-    assert {t for t, _, _ in r.data.targets} == {tb} and r.batch == 3
+    assert {t for t, _, _ in r.work.targets} == {tb} and r.batch == 3
 
 
 @pytest.mark.parametrize("op", ["session_audio", "session_interrupt", "session_keyframe", "session_stats",

@@ -59,7 +59,8 @@ LIVE_EDGE_S = 5.0    # an edge heard from this recently is told goodbye at shutd
 
 @dataclass
 class EdgeCall:
-    """What the bridge keeps of an edge's request (the engine's Request.data)."""
+    """What the bridge keeps of an edge's request (the engine's `Request.work`). It is the only work the
+    bridge's requests carry, so the bridge answers every end itself (`done`, `fail`)."""
 
     identity: bytes
     edge_req: int
@@ -205,11 +206,11 @@ class BridgeServer(Shell):
         now = time.monotonic()
         deadline = now + self.config.limits.request_timeout_s
         if isinstance(msg, LoadModel):   # pin +1: an edge's live session keeps the model on one worker
-            return Request(Kind.LOAD, model, deadline=deadline, data=call, pin=1 if msg.pin > 0 else 0)
+            return Request(Kind.LOAD, model, deadline=deadline, work=call, pin=1 if msg.pin > 0 else 0)
         if isinstance(msg, UnloadModel):
-            return Request(Kind.UNLOAD, model, deadline=deadline, data=call)
+            return Request(Kind.UNLOAD, model, deadline=deadline, work=call)
         if isinstance(msg, StatsQuery):
-            return Request(Kind.STATS, None, deadline=deadline, data=call)
+            return Request(Kind.STATS, None, deadline=deadline, work=call)
         lim = self.config.limits
         if msg.batch > lim.max_batch:
             raise BridgeError(f"batch {msg.batch} is more than this host's limits.max_batch ({lim.max_batch})")
@@ -243,7 +244,7 @@ class BridgeServer(Shell):
                         first_input=msg.first_input, enqueued=now)
         if msg.budget_ms:
             deadline = now + msg.budget_ms / 1000   # re-anchored on this host's clock
-        return Request(Kind.INFER, model, msg.batch, deadline=deadline, data=call, inputs=inputs)
+        return Request(Kind.INFER, model, msg.batch, deadline=deadline, work=call, inputs=inputs)
 
     def _refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
         msg = call.message
@@ -268,10 +269,10 @@ class BridgeServer(Shell):
     # -- the engine's actions (the rest: core/shell.py) --------------------------------------------
 
     def fail(self, action: Fail) -> None:
-        self._refuse(action.request.data, action.code, action.message)
+        self._refuse(action.request.work, action.code, action.message)
 
     def done(self, r: Request) -> None:
-        call = r.data
+        call = r.work
         if r.kind is Kind.INFER:
             ring = self.outputs[r.worker]
             try:

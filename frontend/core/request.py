@@ -1,4 +1,5 @@
-"""A request as the engine tracks it, what it carries to an inference worker, and how one is refused.
+"""A request as the engine tracks it, what it carries to an inference worker, the work it carries for
+whoever made it, and how one is refused.
 
 No sockets and nothing else of frontend/: every shell (the client frontend, the GPU host's bridge) and
 live sessions build these.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Protocol, Union
 
 import numpy as np
 
@@ -79,6 +80,26 @@ class State(str, enum.Enum):
 CLIENT_GONE = "client_gone"   # an end with no reply to send (the connection closed)
 
 
+class Work(Protocol):
+    """What a request carries for whoever made it (`Request.work`): a client's call, a live session's
+    speech batch, pin, idle render or H.264 encode. It knows how its request ends, so a shell routes an
+    end by calling it, never by asking which kind of work it is."""
+
+    def done(self, r: "Request") -> None:
+        """The request ended well: reply, or hand its results on (`r.images`, `r.results`, `r.output`)."""
+
+    def failed(self, r: "Request", code: Union[ErrorCode, str], message: str) -> None:
+        """The request ended in error; `code` CLIENT_GONE: its connection closed, there is no one to tell."""
+
+
+class RenderWork(Work, Protocol):
+    """The work of a `render` request: compositor work with no inference."""
+
+    def message(self, r: "Request") -> Any:
+        """What its compositor is sent (shm.messages RenderIdle, EncodeFrames or EncodeLoop), for `r`'s
+        id and deadline."""
+
+
 @dataclass(eq=False)
 class Request:
     kind: Kind
@@ -86,7 +107,7 @@ class Request:
     batch: int = 0
     deadline: float = float("inf")
     conn: Optional[Hashable] = None       # the connection it came over: its close ends the request
-    data: Any = None                      # the shell's own (header, client, tensors, ...): never read here
+    work: Optional[Work] = None           # whoever made it (a RenderWork for RENDER); never read here
     req: int = 0                          # set by the scheduler
     state: State = State.QUEUED
     worker: Optional[int] = None

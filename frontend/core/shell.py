@@ -2,8 +2,9 @@
 
 The client frontend (frontend/server/) and the GPU host's bridge (frontend/bridge/) are both a
 `Shell`: the actions that touch inference workers (write a request's inputs and send its task, send a
-control message, free a slot) are carried out here, the same for both; what differs (how a reply is
-built and sent, rendering and freeing compositors' frames, which only the frontend has) is theirs.
+control message, free a slot) are carried out here, the same for both; what differs (sending a
+compositor its work, freeing compositors' frames, which only the frontend has) is theirs. A request
+ends through its own `Work` (core/request.py): `Done` and `Fail` call it.
 
 Shutdown is the same too: `start_draining` (SIGTERM) stops new work; `drain_step` is called from the
 shell's loop until the work in flight has ended, or until `supervisor.shutdown_timeout_s`, when
@@ -29,8 +30,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down; retry on another server"
 
 
 class Shell:
-    """Subclasses implement `done` and `fail` (one reply each), and, where compositors exist, `render`
-    and `free_images`."""
+    """Subclasses implement, where compositors exist, `render` and `free_images`; a request's end is its
+    work's (`done`, `fail`), which a shell whose work is all of one kind (the bridge) may answer itself."""
 
     def __init__(self, engine: Scheduler, to_gpu: Sequence, input_rings: Sequence[SlotRing], shutdown_timeout_s: float):
         self.engine, self.to_gpu, self.input_rings = engine, to_gpu, input_rings
@@ -92,12 +93,13 @@ class Shell:
         """After every batch of actions (the frontend re-arms its deadline timer here)."""
 
     def done(self, r: Request) -> None:
-        raise NotImplementedError
+        r.work.done(r)
 
     def fail(self, action: Fail) -> None:
-        raise NotImplementedError
+        action.request.work.failed(action.request, action.code, action.message)
 
     def render(self, action: Render) -> None:
+        """Send the compositor the message its work built (`RenderWork.message`)."""
         raise RuntimeError("this process has no compositors to render on")
 
     def free_images(self, req: int, compositors) -> None:

@@ -10,8 +10,8 @@ ready compositor and its next frame is an IDR.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
 
 from config.assets import frame_index
 from frontend.core.alarm import LOOP_CLOCK, Clock
@@ -29,16 +29,43 @@ LOOP_TIMEOUT_S = 120.0
 
 @dataclass
 class EncodeJob:
-    """An engine `render` request's own data: a session's frames for its encoder."""
+    """The work of an engine `render` request that encodes a session's frames on its encoder."""
     token: str
-    message: EncodeFrames
-    decided: float = 0.0      # when its frames were decided (the clock's time)
+    task: EncodeFrames        # what its compositor is sent (`message`)
+    decided: float            # when its frames were decided (the clock's time)
+    h264: "H264Sessions" = field(repr=False)
+
+    def message(self, r: Request) -> EncodeFrames:
+        return _addressed(self.task, r)
+
+    def done(self, r: Request) -> None:
+        self.h264.encoded(r, self)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.h264.encode_failed(self, message)
 
 
 @dataclass
 class LoopJob:
+    """The work of an engine `render` request that encodes a chunk of an avatar's idle loop (any compositor)."""
     key: tuple
-    message: EncodeLoop
+    task: EncodeLoop          # what its compositor is sent (`message`)
+    h264: "H264Sessions" = field(repr=False)
+
+    def message(self, r: Request) -> EncodeLoop:
+        return _addressed(self.task, r)
+
+    def done(self, r: Request) -> None:
+        self.h264.loop_done(r, self)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.h264.loop_failed(r, self, message)
+
+
+def _addressed(task, r: Request):
+    """The compositor's message, with the id and deadline the engine gave its request."""
+    task.req, task.deadline = r.req, r.deadline
+    return task
 
 
 def frame_bytes(frame) -> bytes:
@@ -49,13 +76,16 @@ def frame_bytes(frame) -> bytes:
 
 class H264Sessions:
     """Every H.264 session's encoding: `send(session, frame, now, keyframe)` sends a frame (live/service.py),
-    `arm()` re-arms the pacer after a session was woken early."""
+    `arm()` re-arms the pacer after a session was woken early, `loop_ready(keys)` and
+    `loop_failed(keys, message)` say that idle loop chunks are cached, or will not be."""
 
     def __init__(self, host: Host, cfg: Any, table: SessionTable, idle: IdleCache, metrics: Any,
-                 send: Callable[..., bool], arm: Callable[[], None], clock: Clock = LOOP_CLOCK):
+                 send: Callable[..., bool], arm: Callable[[], None], loop_ready: Callable[[Iterable], None],
+                 loop_failed: Callable[[Iterable, str], None], clock: Clock = LOOP_CLOCK):
         self.host, self.cfg, self.table, self.idle, self.metrics = host, cfg, table, idle, metrics
         self.clock = clock
         self._send, self._arm = send, arm
+        self._loop_ready, self._loop_failed = loop_ready, loop_failed   # sessions being opened wait for the loop
         self._skipped = metrics.session_frames.labels("skipped")
 
     def settings(self, session: LiveSession) -> H264Settings:
@@ -101,11 +131,6 @@ class H264Sessions:
             return set()
         return {self._loop_key(session, start) for start in range(0, session.h264.period, session.h264.chunk)}
 
-    @staticmethod
-    def loop_key_of(r: Request) -> tuple:
-        """The idle loop chunk an engine request encodes, as a set of cache keys (empty for a session's frames)."""
-        return (r.data.key,) if isinstance(r.data, LoopJob) else ()
-
     def prefetch(self, session: LiveSession) -> None:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""
         if not self.cfg.idle_loop:
@@ -122,7 +147,7 @@ class H264Sessions:
                                  frames=[frame_index(p, spec.frames, spec.order) for p in positions],
                                  deadline=self.clock.now() + LOOP_TIMEOUT_S)
             request = Request(Kind.RENDER, spec.id, len(positions), deadline=message.deadline,
-                              data=LoopJob(key, message))
+                              work=LoopJob(key, message, self))
             self.host.submit(request)
 
     # -- frames ---------------------------------------------------------------------------------
@@ -135,9 +160,9 @@ class H264Sessions:
         for frame in session.advance(now):
             start, _ = stream.chunk_of(frame.index)
             chunk = self.idle.get(self._loop_key(session, start)) if self.cfg.idle_loop else None
-            work = stream.decide(frame, chunk)
-            if work is not None:
-                items.append(EncodeItem(index=work.index, frame=work.background, idr=work.idr, box=work.box))
+            todo = stream.decide(frame, chunk)
+            if todo is not None:
+                items.append(EncodeItem(index=todo.index, frame=todo.background, idr=todo.idr, box=todo.box))
         if items:
             self._encode(session, items)
         self.flush(session, now)
@@ -155,8 +180,8 @@ class H264Sessions:
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
                                settings=self.settings(session), items=items, deadline=deadline,
                                due=session.due(items[0].index))
-        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline, data=EncodeJob(session.token, message, self.clock.now()),
-                          compositor=stream.compositor)
+        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline,
+                          work=EncodeJob(session.token, message, self.clock.now(), self), compositor=stream.compositor)
         self.host.submit(request)
 
     def flush(self, session: LiveSession, now: float) -> None:
@@ -174,41 +199,40 @@ class H264Sessions:
             self.table.wake(session, waiting)
             self._arm()
 
-    # -- engine results -------------------------------------------------------------------------
+    # -- engine results (each request's work calls the one for its kind) -------------------------
 
-    def render_message(self, r: Request):
-        message = r.data.message
-        message.req, message.deadline = r.req, r.deadline
-        return message
-
-    def done(self, r: Request) -> None:
+    def loop_done(self, r: Request, job: LoopJob) -> None:
         units = [frame_bytes(u) for start in sorted(r.images) for u in r.images[start]]
-        if isinstance(r.data, LoopJob):
-            self.idle.rendering.discard(r.data.key)
-            self.idle.put(r.data.key, units, sum(map(len, units)))
-            return
-        session = self.table.get(r.data.token)
+        self.idle.rendering.discard(job.key)
+        self.idle.put(job.key, units, sum(map(len, units)))
+        self._loop_ready((job.key,))
+
+    def loop_failed(self, r: Request, job: LoopJob, message: str) -> None:
+        self.idle.rendering.discard(job.key)
+        log.warning("encoding the idle loop of model %s failed: %s", r.model, message)
+        self._loop_failed((job.key,), message)
+
+    def encoded(self, r: Request, job: EncodeJob) -> None:
+        """A session's frames came back encoded: each access unit waits until due."""
+        session = self.table.get(job.token)
         if session is None:
             return
+        units = [frame_bytes(u) for start in sorted(r.images) for u in r.images[start]]
         now = self.clock.now()
         encode_ms = r.timing.get("composite_ms", 0.0)
-        waited = max((r.answered.get("composite", now) - r.data.decided) * 1000 - encode_ms, 0.0)
-        for item, au in zip(r.data.message.items, units):
+        waited = max((r.answered.get("composite", now) - job.decided) * 1000 - encode_ms, 0.0)
+        for item, au in zip(job.task.items, units):
             unit = session.h264.encoded(item.index, au)
             if unit is not None and unit.frame.kind == "speech":
                 unit.frame.stages = {**(unit.frame.stages or {}), "encode_wait": waited, "encode": encode_ms}
                 unit.frame.ready_at = now
         self.flush(session, now)
 
-    def failed(self, r: Request, message: str) -> None:
-        if isinstance(r.data, LoopJob):
-            self.idle.rendering.discard(r.data.key)
-            log.warning("encoding the idle loop of model %s failed: %s", r.model, message)
-            return
-        session = self.table.get(r.data.token)
+    def encode_failed(self, job: EncodeJob, message: str) -> None:
+        session = self.table.get(job.token)
         if session is None:
             return
-        for item in r.data.message.items:
+        for item in job.task.items:
             session.h264.lost(item.index)
-        log.info("%d H.264 frame(s) of session %s were lost: %s", len(r.data.message.items), session.token, message)
+        log.info("%d H.264 frame(s) of session %s were lost: %s", len(job.task.items), session.token, message)
         self.flush(session, self.clock.now())

@@ -42,14 +42,25 @@ BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to sh
 
 @dataclass
 class IdleRender:
-    """An engine `idle` request's own data: which cache keys it fills."""
+    """The work of an engine `render` request for idle frames: which cache keys it fills."""
     keys: list
     model: str
     version: int
     frames: list[int]
     format: str
     quality: int
-    due: float = 0.0   # when the first of them must go out
+    due: float             # when the first of them must go out
+    live: "Live" = field(repr=False)
+
+    def message(self, r: Request) -> RenderIdle:
+        return RenderIdle(req=r.req, model=self.model, frames=self.frames, format=self.format,
+                          quality=self.quality, deadline=r.deadline, version=self.version, due=self.due)
+
+    def done(self, r: Request) -> None:
+        self.live.idle_done(r, self)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.live.idle_failed(self, message)
 
 
 @dataclass
@@ -66,16 +77,31 @@ class Opening:
 
 @dataclass
 class Pin:
-    """The engine `load` a session makes at open: its model is kept loaded on that worker until close."""
+    """The work of the engine `load` a session makes at open: its model is kept loaded on that worker
+    until close."""
     token: str
+    live: "Live" = field(repr=False)
+
+    def done(self, r: Request) -> None:
+        self.live.pinned(r, self.token)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.live.pin_failed(r, self.token, message)
 
 
 @dataclass
 class SpeechBatch:
-    """An engine `composite` request of speech frames: each frame's (session, frame index, utterance),
-    held by its session until due instead of being replied."""
+    """The work of an engine `composite` request of speech frames: each frame's (session, frame index,
+    utterance), held by its session until due instead of being replied."""
     targets: list[tuple[str, int, Optional[int]]]
     format: str
+    live: "Live" = field(repr=False)
+
+    def done(self, r: Request) -> None:
+        self.live.speech_done(r, self)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.live.speech_failed(self, message)
 
 
 def speech_stages(timing: dict, answered: dict) -> dict:
@@ -102,7 +128,8 @@ class Live:
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self.pacer = Alarm(self._tick, clock)   # rings when the earliest session frame is due
-        self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm, clock)
+        self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm,
+                                 self._check_opens, self._opens_failed, clock)
         if viewer is not None:
             self.attach_viewer(viewer)
         # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
@@ -193,7 +220,8 @@ class Live:
             now + timeout_s, lambda: self._open_failed(session.token, ErrorCode.TIMEOUT,
                                                        f"model {spec.id} was not ready to stream within {timeout_s:g}s "
                                                        "(limits.request_timeout_s); retry")), fmt, now)
-        self.host.submit(Request(Kind.LOAD, spec.id, deadline=now + timeout_s, data=Pin(session.token), pin=1))
+        self.host.submit(Request(Kind.LOAD, spec.id, deadline=now + timeout_s, work=Pin(session.token, self),
+                                 pin=1))
         self._prefetch(session)
         # the renders it waits for: its first PREFETCH_S of idle frames (h264: its avatar's idle loop),
         # those it just asked for and those another session asked for before
@@ -270,10 +298,10 @@ class Live:
                                header.id)
         values = np.frombuffer(audio, "<f4").reshape(n, *shape)
         if session.audio_mode == "window":
-            first, work = session.windows(values, now, header.last, header.utterance)
+            first, ready = session.windows(values, now, header.last, header.utterance)
         else:
-            first, work = session.features(values, header.last, now, spec.audio_shape, header.utterance)
-        for frames, windows in work:
+            first, ready = session.features(values, header.last, now, spec.audio_shape, header.utterance)
+        for frames, windows in ready:
             self._infer(session, frames, windows)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n,
                                             utterance=session.latest_utterance))
@@ -314,13 +342,14 @@ class Live:
         spec = session.data.spec
         _, _, _, fmt, quality = self._key(session, -1)
         backgrounds = [session.background(k) for k in frames]
-        work = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(inputs, "<f4").tobytes(), "encoder",
-                      rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt, quality=quality,
-                      enqueued=self.clock.now(), due=session.due(frames[0]))
+        encoder_inputs = inputs
+        inputs = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(encoder_inputs, "<f4").tobytes(),
+                        "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
+                        quality=quality, enqueued=self.clock.now(), due=session.due(frames[0]))
         targets = [(session.token, k, session.utterance_at(k)) for k in frames]
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
-                          data=SpeechBatch(targets, fmt), inputs=work)
-        session.submitted(frames, work.enqueued)
+                          work=SpeechBatch(targets, fmt, self), inputs=inputs)
+        session.submitted(frames, inputs.enqueued)
         self.host.submit(request)
 
     def _infer(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
@@ -369,13 +398,14 @@ class Live:
         model, version, _, fmt, quality = key
         spec = self.table.get(items[0][0]).data.spec
         audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
-        work = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
-                      tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
-                      due=min(due for _, _, _, due, _, _ in items))
+        inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
+                        tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
+                        due=min(due for _, _, _, due, _, _ in items))
         request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
-                          data=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt), inputs=work)
+                          work=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt, self),
+                          inputs=inputs)
         for token, k, *_ in items:
-            self.table.get(token).submitted([k], work.enqueued)
+            self.table.get(token).submitted([k], inputs.enqueued)
         self.host.submit(request)
 
     def _close(self, session: LiveSession) -> None:
@@ -417,91 +447,61 @@ class Live:
             opening.timer.cancel()
             self._release(opening.session)
 
-    # -- engine results -------------------------------------------------------------------------
+    # -- engine results (each request's work calls the one for its kind) -------------------------
 
-    def owns(self, r: Request) -> bool:
-        """The engine requests live sessions make: speech batches, idle renders, model pins."""
-        return r.kind is Kind.RENDER or isinstance(r.data, (Pin, SpeechBatch))
+    def pinned(self, r: Request, token: str) -> None:
+        """A session's model is loaded and pinned on a worker."""
+        opening = self._opening.get(token)
+        session = opening.session if opening is not None else self.table.get(token)
+        worker = r.results[0].worker if r.results else None
+        if session is None and worker is not None:   # closed before the load finished
+            self.host.unpin(worker, r.model)
+        elif session is not None:
+            session.pinned_worker = worker
+        if opening is not None:
+            opening.pinned = True
+            self._check_open(opening)
 
-    def render_message(self, r: Request):
-        """The message an engine `idle` request sends to its compositor."""
-        render = r.data
-        if not isinstance(render, IdleRender):
-            return self.h264.render_message(r)
-        return RenderIdle(req=r.req, model=render.model, frames=render.frames, format=render.format,
-                          quality=render.quality, deadline=r.deadline, version=render.version, due=render.due)
-
-    def done(self, r: Request) -> None:
-        if r.kind is Kind.RENDER:
-            if isinstance(r.data, IdleRender):
-                self.idle_done(r)
-            else:
-                self.h264.done(r)
-                self._check_opens(self.h264.loop_key_of(r))   # a session being opened may wait for it
-        elif isinstance(r.data, Pin):
-            opening = self._opening.get(r.data.token)
-            session = opening.session if opening is not None else self.table.get(r.data.token)
-            worker = r.results[0].worker if r.results else None
-            if session is None and worker is not None:   # closed before the load finished
-                self.host.unpin(worker, r.model)
-            elif session is not None:
-                session.pinned_worker = worker
-            if opening is not None:
-                opening.pinned = True
-                self._check_open(opening)
+    def pin_failed(self, r: Request, token: str, message: str) -> None:
+        if token in self._opening:   # its model could not be loaded: the open fails, saying why
+            self._open_failed(token, ErrorCode.UNAVAILABLE, f"model {r.model}: {message}")
         else:
-            self.speech_done(r)
+            log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
 
-    def failed(self, r: Request, message: str) -> None:
-        if r.kind is Kind.RENDER:
-            if isinstance(r.data, IdleRender):
-                self.idle_failed(r, message)
-            else:
-                self.h264.failed(r, message)
-                self._opens_failed(self.h264.loop_key_of(r), message)
-        elif isinstance(r.data, Pin):
-            if r.data.token in self._opening:   # its model could not be loaded: the open fails, saying why
-                self._open_failed(r.data.token, ErrorCode.UNAVAILABLE, f"model {r.model}: {message}")
-            else:
-                log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
-        else:
-            self.speech_failed(r, message)
-
-    def speech_done(self, r: Request) -> None:
+    def speech_done(self, r: Request, batch: SpeechBatch) -> None:
         """A batch of speech frames was composited: each session holds its own until due."""
         images = [img for start in sorted(r.images) for img in r.images[start]]
         if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
             images = [bytes(img) for img in images]
             self.host.free_images(r.req, r.image_slots)
-        elif r.data.format == "i420":   # H.264 face boxes: they go on to the session's encoder
+        elif batch.format == "i420":   # H.264 face boxes: they go on to the session's encoder
             images = [frame_bytes(img) for img in images]
         now = self.clock.now()
         stages = speech_stages(r.timing, r.answered)
-        for (token, k, utterance), image in zip(r.data.targets, images):
+        for (token, k, utterance), image in zip(batch.targets, images):
             session = self.table.get(token)
             if session is not None:
                 session.ready(k, utterance, image, stages, now)
 
-    def speech_failed(self, r: Request, message: str) -> None:
-        for token, k, utterance in r.data.targets:
+    def speech_failed(self, batch: SpeechBatch, message: str) -> None:
+        for token, k, utterance in batch.targets:
             session = self.table.get(token)
             if session is not None:
                 session.failed(k, utterance)   # it goes out idle, counted as missed; the stream goes on
-        log.info("%d session speech frame(s) failed: %s", len(r.data.targets), message)
+        log.info("%d session speech frame(s) failed: %s", len(batch.targets), message)
 
-    def idle_done(self, r: Request) -> None:
-        render: IdleRender = r.data
+    def idle_done(self, r: Request, render: IdleRender) -> None:
         images = [img for start in sorted(r.images) for img in r.images[start]]
         for key, image in zip(render.keys, images):
             self.idle.rendering.discard(key)
             self.idle.put(key, frame_bytes(image))
         self._check_opens(render.keys)
 
-    def idle_failed(self, r: Request, message: str) -> None:
-        for key in r.data.keys:
+    def idle_failed(self, render: IdleRender, message: str) -> None:
+        for key in render.keys:
             self.idle.rendering.discard(key)
-        log.warning("encoding idle frames of model %s failed: %s", r.data.model, message)
-        self._opens_failed(r.data.keys, message)
+        log.warning("encoding idle frames of model %s failed: %s", render.model, message)
+        self._opens_failed(render.keys, message)
 
     def _check_opens(self, keys) -> None:
         """These renders are done: the sessions being opened that waited for them may be ready."""
@@ -543,9 +543,9 @@ class Live:
             spec, fmt, quality = session.data.spec, keys[0][3], keys[0][4]
             # NOTE: due when the session needs the first of them: compositors take it in turn with
             # speech, never starved behind it
-            render = IdleRender(keys, spec.id, spec.version, [b for _, b, _ in part], fmt, quality, part[0][2])
+            render = IdleRender(keys, spec.id, spec.version, [b for _, b, _ in part], fmt, quality, part[0][2], self)
             request = Request(Kind.RENDER, spec.id, len(part), deadline=self.clock.now() + RENDER_TIMEOUT_S,
-                              data=render)
+                              work=render)
             self.host.submit(request)
 
     def arm(self) -> None:

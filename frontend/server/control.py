@@ -12,11 +12,11 @@ from typing import Any
 from lipsync_client import protocol as P
 from frontend.core.request import Kind, Request
 from frontend.core.scheduler import merge_model_stats
-from frontend.server.calls import Call
 from frontend.server.catalog import CatalogError
 from shm.codes import ProcState
 
 Frontend = Any   # the server process (server/process.py), which calls these with itself
+Call = Any       # server/calls.py's Call (which calls `reply` to answer itself)
 
 MODELS_WAIT_S = 0.25
 MODELS_WAIT_FOR = 64
@@ -75,7 +75,7 @@ async def models(fe: Frontend, call: Call) -> bytes:
 
 def reply(fe: Frontend, r: Request) -> bytes:
     """The reply of a gathered op (load, unload, stats) that ended well."""
-    call = r.data
+    call = r.work
     if r.kind is Kind.STATS:
         return _stats(fe, r)
     answered = {a.worker for a in r.results}
@@ -89,7 +89,7 @@ def reply(fe: Frontend, r: Request) -> bytes:
 
 
 def _stats(fe: Frontend, r: Request) -> bytes:
-    call = r.data
+    call = r.work
     workers = [{"index": a.worker, "device": a.device, "loaded": a.loaded, "queue": a.queue} for a in r.results]
     tenant = call.reply_to.tenant
     wanted = call.header.model

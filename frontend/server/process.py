@@ -2,8 +2,9 @@
 
 A `Shell` over the request engine (frontend/core/): it validates what clients send, reads model specs
 from the catalog off the event loop, turns messages into engine events and carries out the engine's
-actions (core/shell.py carries out those that touch the workers; replies are built here). It hosts
-live sessions (frontend/live/) through the small `Host` interface they are handed.
+actions (core/shell.py carries out those that touch the workers; each request ends through the work it
+carries, `Request.work`: a client's `Call`, server/calls.py, or one of live/'s). It hosts live
+sessions (frontend/live/) through the small `Host` interface they are handed.
 
 A client whose connection closes leaves nothing behind: a monitor on each ROUTER reports the
 connection's file descriptor, which libzmq also stamps on every frame it received (ZMQ_SRCFD), so the
@@ -23,14 +24,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from config import Config, resolve_path
 from config.assets import frame_index
-from config.audio import frame_audio
 from config.keys import load_public, make_server, start_authenticator
 from frontend import probes
 from lipsync_client import protocol as P
 from frontend.core.alarm import Alarm
 from frontend.core.backlog import Backlogs
-from frontend.core.request import CLIENT_GONE, Inputs, Kind, Request, RequestError
-from frontend.core.scheduler import Fail, Render, Scheduler
+from frontend.core.request import Inputs, Kind, Request, RequestError
+from frontend.core.scheduler import Render, Scheduler
 from frontend.core.shell import Shell
 from frontend.live.service import Live
 from frontend.metrics import Metrics
@@ -43,7 +43,7 @@ from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, ReleaseImages,
                           StatsReport, decode, encode)
-from shm.ring import SlotRing, StaleHandle
+from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
@@ -271,7 +271,7 @@ class Frontend(Shell):
         fd = _source_fd(frames[0])
         client.conn = (index, fd) if fd is not None else None
         if not body:
-            self._error(client, None, ErrorCode.BAD_REQUEST, "empty request: send [header, payload...]")
+            self.error(client, None, ErrorCode.BAD_REQUEST, "empty request: send [header, payload...]")
             return
         if self.tenants is not None:
             client.tenant = self.tenants.get(body[0].get("User-Id"))
@@ -286,9 +286,9 @@ class Frontend(Shell):
                                    f"{client.tenant.name}; use one of its models", header.id)
         except RequestError as err:
             self.metrics.requests.labels("invalid", "", err.code.value).inc()
-            self._error(client, err.request_id, err.code, err.message)
+            self.error(client, err.request_id, err.code, err.message)
             return
-        call = Call(header, client, time.monotonic())
+        call = Call(header, client, time.monotonic(), self)
         if header.op is P.Op.HEALTH:
             self.send(client, control.health(self, call))
             self.metrics.requests.labels("health", "", "ok").inc()
@@ -314,12 +314,12 @@ class Frontend(Shell):
                 return
             await asyncio.wait_for(self.catalog.get(header.model), max(budget, 0.001))
         except asyncio.TimeoutError:
-            self._error(call.reply_to, header.id, ErrorCode.TIMEOUT, f"reading the files of model {header.model} "
+            self.error(call.reply_to, header.id, ErrorCode.TIMEOUT, f"reading the files of model {header.model} "
                         "took longer than the request's deadline; is its storage slow? (timeout_ms)")
             return
         except Exception as err:  # a bug: the client still gets exactly one reply
             log.exception("catalog read failed")
-            self._error(call.reply_to, header.id, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            self.error(call.reply_to, header.id, ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
             return
         self._submit(call, payload)
 
@@ -352,11 +352,11 @@ class Frontend(Shell):
                 self.catalog.forget(header.model)
         except RequestError as err:
             self.metrics.requests.labels(header.op.value, call.label, err.code.value).inc()
-            self._error(call.reply_to, header.id, err.code, err.message)
+            self.error(call.reply_to, header.id, err.code, err.message)
             return
         now = time.monotonic()
         request = Request(kind, call.spec.id if call.spec else header.model, batch,
-                          deadline=now + self._timeout_s(header), conn=call.reply_to.conn, data=call, inputs=inputs)
+                          deadline=now + self._timeout_s(header), conn=call.reply_to.conn, work=call, inputs=inputs)
         self.apply(self.engine.submit(request, now))
 
     def _session_op(self, call: Call, payload: list) -> None:
@@ -375,7 +375,7 @@ class Frontend(Shell):
             reply = self.live.handle(call, payload)
         except RequestError as err:
             self.metrics.requests.labels(header.op.value, call.label, err.code.value).inc()
-            self._error(call.reply_to, header.id, err.code, err.message)
+            self.error(call.reply_to, header.id, err.code, err.message)
             return
         self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
         if reply is not None:   # (a session_open is answered by live/ once its session is ready)
@@ -387,7 +387,7 @@ class Frontend(Shell):
         except Exception as err:
             log.exception("the WebRTC viewer did not start")
             self.metrics.requests.labels(call.header.op.value, call.label, ErrorCode.UNAVAILABLE.value).inc()
-            self._error(call.reply_to, call.header.id, ErrorCode.UNAVAILABLE,
+            self.error(call.reply_to, call.header.id, ErrorCode.UNAVAILABLE,
                         f"header.webrtc: the WebRTC viewer did not start ({type(err).__name__}: {err}); see the "
                         "server's log")
             return
@@ -410,8 +410,8 @@ class Frontend(Shell):
 
     # -- what live sessions may ask of their host (frontend/live/host.py) -------------------------
 
-    def submit(self, request: Request) -> None:
-        self.apply(self.engine.submit(request, time.monotonic()))
+    def submit(self, request: Request, now: Optional[float] = None) -> None:
+        self.apply(self.engine.submit(request, time.monotonic() if now is None else now))
 
     def unpin(self, worker: int, model: str) -> None:
         self.apply(self.engine.unpin(worker, model))
@@ -423,7 +423,8 @@ class Frontend(Shell):
         self.to_cpu[compositor].send(encode(CloseEncoder(session=session)))
 
     def render(self, action: Render) -> None:
-        self.to_cpu[action.compositor].send(encode(self.live.render_message(action.request)))
+        r = action.request
+        self.to_cpu[action.compositor].send(encode(r.work.message(r)))
 
     def _on_deadline(self) -> None:
         self.apply(self.engine.tick(time.monotonic()))
@@ -473,7 +474,7 @@ class Frontend(Shell):
             if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 ready.set()
 
-    def _error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
+    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
         self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message))
 
     def free_images(self, req: int, compositors) -> None:
@@ -492,79 +493,6 @@ class Frontend(Shell):
                 loop.call_later(TRACKER_POLL_S, check)
 
         check()
-
-    def _outcome(self, r: Request, outcome: str) -> None:
-        call = r.data
-        self.metrics.requests.labels(call.header.op.value, call.label, outcome).inc()
-        self.metrics.latency.labels("total").observe((time.monotonic() - call.t0) * 1000)
-
-    def fail(self, action: Fail) -> None:
-        r, call = action.request, action.request.data
-        if self.live.owns(r):
-            self.live.failed(r, action.message)
-            return
-        self._outcome(r, str(getattr(action.code, "value", action.code)))
-        if action.code == CLIENT_GONE:
-            return
-        message = action.message
-        if action.code is ErrorCode.TIMEOUT:
-            limit = call.header.timeout_ms or int(self.config.limits.request_timeout_s * 1000)
-            message += f"; the deadline was {limit} ms: raise timeout_ms or limits.request_timeout_s, or send less " \
-                       "work at once"
-        self._error(call.reply_to, call.header.id, action.code, message)
-
-    def done(self, r: Request) -> None:
-        call = r.data
-        if self.live.owns(r):
-            self.live.done(r)
-            return
-        if r.kind is Kind.INFER:
-            header, data = self._infer_reply(r)
-            if header is None:
-                return
-        elif r.kind is Kind.COMPOSITE:
-            header, data = self._composite_reply(r)
-        else:
-            header, data = control.reply(self, r), []
-        sent = self.send(call.reply_to, header, data, r.req, r.image_slots)
-        self._outcome(r, "ok" if sent else "dropped")
-
-    def _timing(self, r: Request) -> P.Timing:
-        return P.Timing(**r.timing, total_ms=(time.monotonic() - r.data.t0) * 1000)
-
-    def _worker_info(self, r: Request) -> P.WorkerInfo:
-        return P.WorkerInfo(device=self.engine.workers[r.worker].device, index=r.worker)
-
-    def _infer_reply(self, r: Request):
-        # Read the mouths straight from the worker's output ring, copied into the reply frames.
-        # NOTE: the engine releases the output slot only after this reply is built.
-        ring = self.outputs[r.worker]
-        try:
-            mouths = ring.read(r.output)
-            data = [mouths[i].tobytes() for i in range(r.batch)]
-            ring.verify(r.output)
-        except StaleHandle as err:
-            self._outcome(r, "unavailable")
-            self._error(r.data.reply_to, r.data.header.id, ErrorCode.UNAVAILABLE,
-                        f"the worker restarted while the reply was read ({err})")
-            return None, None
-        self.metrics.frames.labels(r.data.label).inc(r.batch)
-        return P.encode(P.InferReply(id=r.data.header.id, batch=r.batch, timing=self._timing(r),
-                                     worker=self._worker_info(r))), data + self._audio_out(r.data, r.batch)
-
-    def _composite_reply(self, r: Request):
-        call = r.data
-        width, height = r.size
-        header = P.encode(P.CompositeReply(
-            id=call.header.id, batch=r.batch, format=call.header.format or self.config.output.format,
-            width=width, height=height, frames=call.frames, timing=self._timing(r), worker=self._worker_info(r)))
-        self.metrics.frames.labels(call.label).inc(r.batch)
-        return header, [img for start in sorted(r.images) for img in r.images[start]] + self._audio_out(call, r.batch)
-
-    @staticmethod
-    def _audio_out(call: Call, batch: int) -> list:
-        """return_audio: each frame's 40 ms of the PCM sent, after the frames."""
-        return frame_audio(call.pcm, batch) if call.pcm is not None else []
 
     # -- internal messages ------------------------------------------------------------------
 
