@@ -1,4 +1,5 @@
-"""frontend/server/: the client-facing process (`python -m supervisor` starts it): ZeroMQ ROUTER sockets,
-validation of every request, the model catalog, the control ops' replies, and the replies themselves.
-It is a core `Shell` and hosts live sessions (frontend/live/) through their `Host` interface.
+"""frontend/server/: the client-facing process (`python -m supervisor` starts it), by concern: its
+sockets and loops (process.py, a core `Shell` that hosts live sessions through their `Host` interface),
+client requests in (intake.py, validate.py, catalog.py), a client's request and how it ends (calls.py,
+control.py), and replies out (replies.py).
 """

@@ -1,0 +1,123 @@
+"""How a reply leaves the client-facing process: one non-blocking send on the client's ROUTER, bounded
+by the connection's unread backlog (limits.max_client_backlog_bytes, limits.max_backlog_bytes), large
+parts without a copy, and the raw frames a reply carries straight from the compositors' image rings,
+whose slots are freed once ZeroMQ has let go of the bytes.
+
+Every reply and live frame of the process goes through `Replies.send`; what a reply says is its
+call's (server/calls.py) or live/'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Optional, Sequence
+
+import zmq
+
+from frontend.core.backlog import Backlogs
+from frontend.server.calls import ReplyTo
+from lipsync_client import protocol as P
+from shm.codes import ErrorCode
+from shm.messages import ReleaseImages, encode
+
+log = logging.getLogger(__name__)
+TRACKER_POLL_S = 0.002
+SENT = type("Sent", (), {"done": True})()   # the tracker of a message that has left (copied) or failed
+ZERO_COPY_BYTES = 64 * 1024   # smaller message parts are copied (pyzmq's own threshold)
+
+
+class Replies:
+    """`readable`: each client ROUTER's reader's wake-up event (server/process.py), set again after a
+    pass of sends (`send`)."""
+
+    def __init__(self, backlogs: Backlogs, metrics, to_cpu: Sequence, readable: dict):
+        self.backlogs, self.metrics, self.to_cpu, self.readable = backlogs, metrics, to_cpu, readable
+        self._recheck_due = False
+
+    def send(self, reply_to: ReplyTo, header: bytes, data: list = (), req: int = 0, image_slots=(),
+             also: Optional[list] = None) -> bool:
+        """Send a reply unless the connection's unread backlog is full (then drop it and return False).
+        Raw frames leave from the image ring without a copy, except to a connection with a backlog:
+        those are copied first, so a client that stops reading pins no image slot for long."""
+        nbytes = len(header) + sum(memoryview(d).nbytes for d in data)
+        entry = self.backlogs.admit(reply_to.conn, nbytes)
+        if entry is None:
+            self.metrics.replies_dropped.inc()
+            log.warning("dropped a reply of %d bytes: the client has %d bytes unread (limits.max_client_backlog_bytes), "
+                        "all clients %d (limits.max_backlog_bytes)", nbytes, self.backlogs.queued(reply_to.conn),
+                        self.backlogs.total())
+            self.metrics.backlog_bytes.set(self.backlogs.total())
+            self.free_images(req, image_slots)
+            return False
+        if image_slots and self.backlogs.queued(reply_to.conn) > nbytes:   # it was not idle
+            data = [bytes(d) for d in data]
+            self.free_images(req, image_slots)
+            image_slots = ()
+        sock = reply_to.sock
+        try:
+            tracker = send_parts(sock, (*reply_to.peer[1], header, *data))
+        except zmq.ZMQError as err:
+            log.error("sending a reply failed: %s", err)
+            tracker = SENT
+        entry[0] = tracker
+        if also is not None:   # another bound counts this message too (a session's queued frames)
+            also[0] = tracker
+        if image_slots:
+            self._release_when_sent(tracker, req, set(image_slots))
+        # NOTE: a send may take the socket's edge-triggered fd event for a request that came in
+        # meanwhile: look once more after this pass of sends, so that its reader is not left waiting.
+        if not self._recheck_due:
+            self._recheck_due = True
+            asyncio.get_running_loop().call_soon(self._recheck_reads)
+        return True
+
+    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
+        self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message))
+
+    def free_images(self, req: int, compositors) -> None:
+        for j in compositors:
+            self.to_cpu[j].send(encode(ReleaseImages(req=req)))
+
+    def _recheck_reads(self) -> None:
+        self._recheck_due = False
+        for sock, ready in self.readable.items():
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                ready.set()
+
+    def _release_when_sent(self, tracker, req: int, compositors: set[int]) -> None:
+        """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
+        has let go of the bytes (its MessageTracker), not before."""
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            if tracker.done:
+                self.free_images(req, compositors)
+            else:
+                loop.call_later(TRACKER_POLL_S, check)
+
+        check()
+
+
+_MORE, _LAST = int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.NOBLOCK)   # ints: no enum arithmetic per part
+
+
+def send_parts(sock: zmq.Socket, parts: tuple):
+    """Send one message without blocking (a ROUTER never blocks: a peer past its high-water mark loses
+    it). Small parts are copied; large ones leave without a copy, and the returned tracker covers
+    every one of them (send_multipart tracks the last part only, which may be a small one)."""
+    trackers = []
+    last = len(parts) - 1
+    for i, part in enumerate(parts):
+        flags = _MORE if i < last else _LAST
+        if isinstance(part, zmq.Frame):
+            # NOTE: pyzmq cannot track a received (untracked) frame: send its buffer instead (still no
+            # copy; the memoryview keeps the received frame alive)
+            part = part.buffer
+        if memoryview(part).nbytes < ZERO_COPY_BYTES:
+            sock.send(part, flags, copy=True)
+        else:
+            trackers.append(sock.send(part, flags, copy=False, track=True))
+    if not trackers:
+        return SENT
+    return trackers[0] if len(trackers) == 1 else zmq.MessageTracker(*trackers)
