@@ -7,8 +7,9 @@ import logging
 import os
 import sys
 
-# NOTE: nothing heavy at the top: every child process, spawned, runs this module again (as __mp_main__)
-# before its own entry, so what is imported here is imported by every process of the server.
+from supervisor.entry import mark   # NOTE: first: its import is the trace's "main" step
+
+# NOTE: nothing heavy at the top: what is imported here is imported before the children are spawned.
 
 
 def keys_main(argv: list[str]) -> int:
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if collision:
         print(collision, file=sys.stderr)
         return 3
+    mark("checked")
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
     if argv[:1] == ["import-synctalk2d"]:
@@ -76,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"{args.check_config}: ok")
         return 0
+    mark("configured")
 
     from supervisor.tree import StartError, Supervisor, install_signal_handlers
+    mark("imported")
 
     stop = install_signal_handlers()
 
@@ -90,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # e.g. shm creation failed: nothing is left behind
         print(f"cannot start: {err}", file=sys.stderr)
         return 1
+    mark("created")
     try:
         sup.start()
         for warning in sup.warnings():
             logging.getLogger("supervisor").warning("%s", warning)
         print(sup.summary(), flush=True)
+        mark("serving")
         return sup.serve()
     except StartError as err:
         print(f"cannot start: {err}", file=sys.stderr)

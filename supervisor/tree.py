@@ -39,7 +39,7 @@ from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, enco
 from shm.ring import RingSpec, SlotRing
 from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
-from supervisor.entry import ENTRIES, run_entry
+from supervisor.entry import ENTRIES, mark, run_entry
 
 log = logging.getLogger("supervisor")
 
@@ -207,6 +207,7 @@ class Supervisor:
         child.process = self._mp.Process(target=run_entry, args=(entry, self.config, self.run, child.index),
                                          name=f"lsync-{child.name}", daemon=False)
         child.process.start()
+        mark(f"spawned:{child.name}:{child.process.pid}")
         child.state, child.last_error = ProcState.STARTING, ""
         self._event(child)
 
@@ -224,6 +225,7 @@ class Supervisor:
         for child in self.children:
             self._spawn(child)
         self._populate_rings()
+        mark("populated")
         deadline = time.monotonic() + self.config.supervisor.start_timeout_s
         while any(c.state != ProcState.READY for c in self.children):
             if self.stop_requested.is_set():
@@ -270,6 +272,7 @@ class Supervisor:
             if child.process is None or child.process.pid != msg.pid:
                 return
             child.state, child.ready_state = ProcState.READY, msg.state
+            mark(f"ready:{child.name}", of=msg.pid)
             log.info("%s ready (pid %d)%s", child.name, msg.pid, "" if msg.state is ProcState.READY else
                      f", {msg.state.value}")
             if child.role in ("frontend", "bridge") and child.restarts:
