@@ -50,7 +50,7 @@ class ModelPaths:
 
 def _encoder(config: Config, own: Optional[Path]) -> Optional[Path]:
     """A model's own audio_encoder.onnx, else the shared `audio.encoder`, else None."""
-    from config.loader import resolve_path   # NOTE: here and below: the loader imports YAML, no worker needs it
+    from config.loader import resolve_path   # NOTE: here and below: no worker needs the loader
     if own is not None and own.exists():
         return own
     return resolve_path(config, config.audio.encoder) if config.audio.encoder else None

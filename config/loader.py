@@ -8,7 +8,6 @@ from typing import Any, Union
 
 import msgspec
 import msgspec.inspect as mi
-import yaml
 
 from config.schema import Config
 
@@ -190,6 +189,7 @@ def load_config(path: str | Path | None = None) -> Config:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read the config file: {err.strerror}") from None
+    import yaml   # NOTE: here: a process that only resolves paths (the frontend) need not load it (8 ms)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
