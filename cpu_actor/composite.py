@@ -8,17 +8,24 @@ For frame k with clipped crop box (x1, y1, x2, y2), w = x2 - x1, h = y2 - y1, an
 
 from __future__ import annotations
 
+import functools
+
 import cv2
 import numpy as np
 
 from config.geometry import INNER, mouths_to_uint8
 from cpu_actor.jpeg import encode_jpeg
 
-try:  # fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); cv2 is the fallback
-    from fpng import fpng_ext as _fpng
-except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux only
-    _fpng = None
 
+@functools.cache
+def _fpng():
+    """fpng: the one PNG writer within 2x of JPEG here (docs/benchmarks.md); None: cv2 is the fallback.
+    Imported with the first PNG frame: 6-8 ms that a compositor's start does not need to pay."""
+    try:
+        from fpng import fpng_ext
+    except ImportError:  # pragma: no cover - fpng ships wheels for x86_64 Linux only
+        return None
+    return fpng_ext
 
 
 RAW_LAYOUTS = {"raw-rgb24": cv2.COLOR_BGR2RGB, "raw-rgba": cv2.COLOR_BGR2RGBA}
@@ -56,8 +63,9 @@ def encode(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
 
 def encode_png(image: np.ndarray) -> bytes:
     rgb = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
-    if _fpng is not None:
-        return _fpng.encode_ndarray(rgb)
+    fpng = _fpng()
+    if fpng is not None:
+        return fpng.encode_ndarray(rgb)
     ok, data = cv2.imencode(".png", image, [cv2.IMWRITE_PNG_COMPRESSION, 1, cv2.IMWRITE_PNG_FILTER,
                                             cv2.IMWRITE_PNG_FILTER_UP, cv2.IMWRITE_PNG_STRATEGY,
                                             cv2.IMWRITE_PNG_STRATEGY_HUFFMAN_ONLY])

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import onnxruntime as ort
 import psutil
 
 from config.assets import AssetError, ModelIO, classify_io
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 log = logging.getLogger(__name__)
 WARM_FRAMES = 8   # the batch a load also warms at (warm_up), when the memory budget allows it
@@ -54,6 +56,7 @@ def _require_cuda(session: ort.InferenceSession, device: str) -> None:
     # NOTE: onnxruntime does not fail when the CUDA provider cannot load (no onnxruntime-gpu, or its
     # CUDA / cuDNN libraries missing): it warns and runs on the CPU. A GPU worker must not.
     if device != "cpu" and "CUDAExecutionProvider" not in session.get_providers():
+        import onnxruntime as ort
         from gpu_actor.cuda_libs import extra_for, missing_libraries
         missing = missing_libraries(ort.__version__)
         cause = (f"these libraries it links cannot be loaded: {', '.join(missing)}" if missing else
@@ -71,6 +74,7 @@ def check_device(device: str) -> None:
         return
     from gpu_actor.cuda_libs import preload
     preload()
+    import onnxruntime as ort
     from onnx import TensorProto, helper
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "device_check",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
@@ -98,6 +102,9 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
     if device != "cpu":
         from gpu_actor.cuda_libs import preload
         preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
+    # NOTE: here, in the load thread: a worker imports onnxruntime (20-30 ms) with its first model, not
+    # before READY (on a GPU, check_device has imported it by then).
+    import onnxruntime as ort
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -192,6 +199,7 @@ class ModelRunner:
         binding.bind_output(self.io.output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
         options = None
         if shrink:
+            import onnxruntime as ort
             options = ort.RunOptions()
             options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self.session.run_with_iobinding(binding, options)

@@ -31,7 +31,6 @@ import zmq
 
 from config import Config, resolve_path
 from config.geometry import MOUTH_BYTES, input_slot_bytes
-from gpu_actor.discovery import dns_device
 from shm.child import EXIT_PERMANENT
 from shm.codes import ProcState
 from shm.endpoints import Endpoints, RunSpec, make_socket
@@ -82,7 +81,11 @@ def resolve_devices(config: Config, role: str = "all") -> list[str]:
     """One entry per inference worker: 'cpu', 'cuda:N', or 'remote:<endpoint>' (a GPU host)."""
     remote = []
     for h in config.bridge.hosts if role != "gpu" else ():
-        remote += [f"remote:{h.endpoint}"] if h.endpoint else [dns_device(h.dns, h.port, i) for i in range(h.max_hosts)]
+        if h.endpoint:
+            remote.append(f"remote:{h.endpoint}")
+        else:
+            from gpu_actor.discovery import dns_device   # NOTE: here: only GPU hosts found by DNS need it
+            remote += [dns_device(h.dns, h.port, i) for i in range(h.max_hosts)]
     if role == "edge":
         if not remote:
             raise StartError("--role edge needs GPU hosts: list them in bridge.hosts")
