@@ -3,7 +3,7 @@ loop, that every switch starts with an IDR, and that access units leave in order
 
 from __future__ import annotations
 
-from frontend.live.h264_plan import H264Stream
+from frontend.live.h264_stream import H264Stream
 from frontend.live.timeline import Outgoing
 
 GOP, PERIOD = 4, 10

@@ -151,7 +151,7 @@ def test_live_and_core_load_without_sockets_or_the_viewer():
     import subprocess
     import sys
     code = ("import sys, frontend.core.shell, frontend.core.scheduler, frontend.live.service, "
-            "frontend.live.h264_encoding; print(sorted(m for m in ('zmq', 'aiortc', 'aiohttp', 'av') if m in sys.modules))")
+            "frontend.live.h264_sessions; print(sorted(m for m in ('zmq', 'aiortc', 'aiohttp', 'av') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
@@ -195,3 +195,26 @@ def test_no_import_circle_anywhere():
         graph[name] = deps
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"], "the search finds a circle"
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph))}"
+
+
+def test_one_class_per_name():
+    """One name per concept: no two classes of the server's rooms and the client share a name (two
+    `Speech` classes in live/ made every reader check which one was meant)."""
+    where: dict[str, list[str]] = {}
+    for name, path in _project_modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    shared = {cls: modules for cls, modules in where.items() if len(modules) > 1}
+    assert not shared, f"classes of the same name: {shared}"
+
+
+def test_work_routes_itself():
+    """A request ends through the work it carries (core.request.Work): no module of frontend/ asks which
+    kind of work a request carries (isinstance on `.work`); it calls the work."""
+    for path in (ROOT / "frontend").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and node.args \
+                    and isinstance(node.args[0], ast.Attribute) and node.args[0].attr in ("work", "data"):
+                raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} asks what a request's work is; "
+                                     "call it instead (core.request.Work)")

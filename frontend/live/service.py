@@ -24,7 +24,7 @@ from lipsync_client import protocol as P
 from frontend.core.alarm import LOOP_CLOCK, Alarm, Clock
 from frontend.core.backlog import Backlogs
 from frontend.core.request import Inputs, Kind, Request, RequestError
-from frontend.live.h264_encoding import H264Sessions, frame_bytes
+from frontend.live.h264_sessions import H264Sessions, frame_bytes
 from frontend.live.host import Host, OpenCall
 from frontend.live.idle import IdleCache
 from frontend.live.timeline import LiveSession, SessionTable
@@ -149,7 +149,7 @@ class Live:
         session = self.table.get(call.header.session)
         # NOTE: only the connection that opened a session may drive it or read it; to any other, a
         # session it does not own is one that does not exist (the same error: ids are not probed).
-        if session is None or session.data.reply_to.peer != call.reply_to.peer:
+        if session is None or session.call.reply_to.peer != call.reply_to.peer:
             raise RequestError(ErrorCode.BAD_REQUEST, f"header.session: no open session {call.header.session!r} "
                                "on this connection (closed, its client disconnected, or opened by another "
                                "connection); open one with session_open", call.header.id)
@@ -208,7 +208,7 @@ class Live:
         session = LiveSession(self.table.new_token(), spec.id, call.reply_to.conn, fps,
                           now + self.cfg.start_delay_ms / 1000, header.start_frame, spec.frames, spec.order,
                           max(1, round(self.cfg.latency_budget_ms / 1000 * fps) - 1), mode,
-                          (WINDOW_ROWS, elements // WINDOW_ROWS), data=call, sample_rate=rate)
+                          (WINDOW_ROWS, elements // WINDOW_ROWS), call=call, sample_rate=rate)
         if fmt == "h264":
             self.h264.open(session)
         # NOTE: the reply waits until the session can deliver its frames on time: its model loaded and
@@ -268,7 +268,7 @@ class Live:
                               f"model {opening.session.model}: its frames could not be rendered: {message}")
 
     def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
-        spec = session.data.spec
+        spec = session.call.spec
         header = call.header
         try:
             admitted = session.admits(header.utterance)
@@ -339,7 +339,7 @@ class Live:
 
     def _submit_pcm(self, session: LiveSession, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
                     utterance: str, first_input: int) -> None:
-        spec = session.data.spec
+        spec = session.call.spec
         _, _, _, fmt, quality = self._key(session, -1)
         backgrounds = [session.background(k) for k in frames]
         encoder_inputs = inputs
@@ -396,7 +396,7 @@ class Live:
         if not items:
             return
         model, version, _, fmt, quality = key
-        spec = self.table.get(items[0][0]).data.spec
+        spec = self.table.get(items[0][0]).call.spec
         audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
         inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
                         tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
@@ -513,7 +513,7 @@ class Live:
     # -- pacing ---------------------------------------------------------------------------------
 
     def _key(self, session: LiveSession, background: int) -> tuple:
-        header, spec = session.data.header, session.data.spec
+        header, spec = session.call.header, session.call.spec
         fmt = header.format or self.config.output.format
         quality = header.quality or self.config.output.quality
         if fmt == "h264":   # speech frames are composited into face boxes, the session's encoder does the rest
@@ -540,7 +540,7 @@ class Live:
             part = missing[i:i + RENDER_BATCH]
             keys = [k for k, _, _ in part]
             self.idle.rendering.update(keys)
-            spec, fmt, quality = session.data.spec, keys[0][3], keys[0][4]
+            spec, fmt, quality = session.call.spec, keys[0][3], keys[0][4]
             # NOTE: due when the session needs the first of them: compositors take it in turn with
             # speech, never starved behind it
             render = IdleRender(keys, spec.id, spec.version, [b for _, b, _ in part], fmt, quality, part[0][2], self)
@@ -592,7 +592,7 @@ class Live:
                                            frame=frame.background, keyframe=keyframe, utterance=frame.utterance,
                                            last=frame.last))
             # entry None: the client is not reading; frames past sessions.max_queued_frames go
-            if entry is None or not self.host.send(session.data.reply_to, header,
+            if entry is None or not self.host.send(session.call.reply_to, header,
                                                   [image] if audio is None else [image, audio], also=entry):
                 session.stats.dropped += 1
                 counted["dropped"].inc()

@@ -45,7 +45,7 @@ class Outgoing:
     missed: bool = False               # idle where speech was placed (late, or its inference failed)
     utterance: Optional[int] = None    # the utterance whose speech (or audio) this frame carries
     last: bool = False                 # ... and its last frame (its last samples, or where an interrupt cut it)
-    stages: Optional[dict] = None      # speech: ms spent in each stage before it was ready (Speech.stages)
+    stages: Optional[dict] = None      # speech: ms spent in each stage before it was ready (SpeechFrame.stages)
     ready_at: float = 0.0              # speech: when it was ready to go (composited, or encoded)
 
 
@@ -94,7 +94,9 @@ def _summary(values) -> dict:
 
 
 @dataclass
-class Speech:
+class SpeechFrame:
+    """Speech placed on one frame of the timeline: its audio, then its composited image (or its failure)."""
+
     received: float
     image: Any = None
     failed: bool = False
@@ -116,15 +118,16 @@ class Speech:
 class LiveSession:
     def __init__(self, token: str, model: str, conn: Optional[Hashable], fps: float, t0: float, start_frame: int,
                  n_backgrounds: int, order: str, lead_frames: int, audio_mode: str, feature_shape: tuple[int, ...],
-                 data: Any = None, sample_rate: int = SAMPLE_RATE):
-        self.token, self.model, self.conn, self.data = token, model, conn, data
+                 call: Any = None, sample_rate: int = SAMPLE_RATE):
+        self.token, self.model, self.conn = token, model, conn
+        self.call = call                     # the session_open it was opened by (live/host.OpenCall)
         self.fps, self.t0, self.start_frame = fps, t0, start_frame
         self.n_backgrounds, self.order = n_backgrounds, order
         self.lead = lead_frames
         self.audio_mode = audio_mode
         self.next_index = 0                  # the next frame to go out
         self.speech_end = 0                  # the first frame after all speech placed so far
-        self.speech: dict[int, Speech] = {}  # frame index -> its speech (pending or ready)
+        self.speech: dict[int, SpeechFrame] = {}  # frame index -> its speech (pending or ready)
         self.stats = Stats()
         self.feature_shape = feature_shape   # features mode: (rows per window, F)
         self._rows: list[np.ndarray] = []    # features mode: this utterance's vectors
@@ -145,7 +148,7 @@ class LiveSession:
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
         self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
-        self.h264: Any = None                # h264 sessions: their frontend.live.h264_plan.H264Stream
+        self.h264: Any = None                # h264 sessions: their frontend.live.h264_stream.H264Stream
         self.viewer = False                  # webrtc: frames go to the viewer (frontend/viewer.py)
 
     def due(self, k: int) -> float:
@@ -194,9 +197,9 @@ class LiveSession:
         """The utterance ends at frame k (`last: true`): that frame says so, or the next frame to go out
         when k went out already (its `last` came after its audio had played)."""
         if k >= self.next_index:
-            self.speech.setdefault(k, Speech(0.0, utterance=self._utterance, tail=True)).last = True
+            self.speech.setdefault(k, SpeechFrame(0.0, utterance=self._utterance, tail=True)).last = True
         elif self._utterance is not None:
-            self.speech.setdefault(self.next_index, Speech(0.0, utterance=self._utterance, tail=True)).last = True
+            self.speech.setdefault(self.next_index, SpeechFrame(0.0, utterance=self._utterance, tail=True)).last = True
         self._utterance = None
 
     def windows(self, audio: np.ndarray, now: float, last: bool = False,
@@ -206,7 +209,7 @@ class LiveSession:
         frames = list(range(first, first + len(audio)))
         utterance = self._begin(utterance)
         for k in frames:
-            self.speech[k] = Speech(now, utterance=utterance)
+            self.speech[k] = SpeechFrame(now, utterance=utterance)
         if last:
             self._end(frames[-1])
         return first, [(frames, audio)]
@@ -220,7 +223,7 @@ class LiveSession:
             self._rows.append(np.asarray(row, np.float32))
             self._row_frame.append(first + i)
             self._row_received.append(now)
-            self.speech[first + i] = Speech(now, utterance=utterance)
+            self.speech[first + i] = SpeechFrame(now, utterance=utterance)
         if last:
             self._end(first + len(rows) - 1)
         ready = len(self._rows) if last else max(len(self._rows) - LOOKAHEAD, 0)
@@ -272,7 +275,7 @@ class LiveSession:
         work = []
         for i in range(self._utterance_done, ready):
             k = start + i
-            self.speech[k] = Speech(now, audio=self._frame_pcm(i), utterance=utterance)
+            self.speech[k] = SpeechFrame(now, audio=self._frame_pcm(i), utterance=utterance)
             work.append((stream, k, stream.frame_rows(i)))
         self._utterance_done = ready
         heard = -(-after // fs)   # frames its samples so far play in
@@ -280,7 +283,7 @@ class LiveSession:
         if last:
             for i in range(ready, heard):   # its last samples, past its last video frame
                 if start + i >= self.next_index:
-                    self.speech[start + i] = Speech(now, audio=self._frame_pcm(i), utterance=utterance, tail=True)
+                    self.speech[start + i] = SpeechFrame(now, audio=self._frame_pcm(i), utterance=utterance, tail=True)
             self.speech_end = start + max(ready, heard)
             self._end(self.speech_end - 1)
             self._stream = self._resampler = None
@@ -307,7 +310,7 @@ class LiveSession:
             del self.speech[k]
         if cut and self.next_index not in self.speech:
             # the frame going out next tells the client that this utterance's playback ended here
-            self.speech[self.next_index] = Speech(0.0, utterance=cut, last=True, tail=True)
+            self.speech[self.next_index] = SpeechFrame(0.0, utterance=cut, last=True, tail=True)
         self.speech_end = max((k + 1 for k in self.speech), default=self.next_index)
         if open_cut or self._utterance is None:
             self._rows, self._row_frame, self._row_received, self._inferred_rows = [], [], [], 0
@@ -327,7 +330,7 @@ class LiveSession:
         speech = self.speech.get(k)
         return speech.utterance if speech is not None else None
 
-    def _waiting(self, k: int, utterance: Optional[int]) -> Optional[Speech]:
+    def _waiting(self, k: int, utterance: Optional[int]) -> Optional[SpeechFrame]:
         # NOTE: a result is taken only by the utterance it was made for: a batch of an interrupted
         # utterance still in flight must never fill a frame that a later utterance now holds.
         speech = self.speech.get(k)

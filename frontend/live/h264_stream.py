@@ -1,5 +1,6 @@
-"""H.264 live sessions, with no sockets: which frames a session encodes, which it takes from its
-avatar's pre-encoded idle loop, and the order its access units go out in.
+"""One H.264 session's stream (`H264Stream`), with no sockets: which frames the session encodes, which
+it takes from its avatar's pre-encoded idle loop, and the order its access units go out in
+(live/h264_sessions.py is its shell).
 
 A session's frames are decided `ENCODE_AHEAD_FRAMES` before they are due (speech if its face box is
 ready, else idle) and encoded in order by the session's own compositing process, which keeps its

@@ -1,8 +1,8 @@
-"""Live sessions in H.264: the encoding side of live/h264_plan.py.
-
-Per session: its compositing process (where its encoder lives), the frames it sends there to encode
-(engine `idle` requests pinned to that compositor), the access units that come back, held until due,
-and the avatar's idle loop chunks, encoded once and shared by every session on that avatar.
+"""Live sessions in H.264, the shell of live/h264_stream.py: each session's encoder lives in one
+compositing process (cpu_actor/h264.py encodes), and this module hands it the frames its stream
+decided (engine `render` requests pinned to that compositor), holds the access units that come back
+until due, and asks for the avatar's idle loop chunks, encoded once and shared by every session on
+that avatar.
 A compositor that dies takes its in-flight frames with it: they are skipped, the session moves to a
 ready compositor and its next frame is an IDR.
 """
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 from config.assets import frame_index
 from frontend.core.alarm import LOOP_CLOCK, Clock
 from frontend.core.request import Kind, Request
-from frontend.live.h264_plan import ENCODE_AHEAD_FRAMES, H264Stream
+from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES, H264Stream
 from frontend.live.host import Host
 from frontend.live.idle import IdleCache
 from frontend.live.timeline import LiveSession, SessionTable
@@ -94,7 +94,7 @@ class H264Sessions:
     # -- open / close ---------------------------------------------------------------------------
 
     def open(self, session: LiveSession) -> None:
-        spec = session.data.spec
+        spec = session.call.spec
         period = spec.frames * (2 if spec.order == "mirror" else 1)
         session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.loop_chunk)
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
@@ -122,7 +122,7 @@ class H264Sessions:
     # -- the idle loop --------------------------------------------------------------------------
 
     def _loop_key(self, session: LiveSession, start: int) -> tuple:
-        spec = session.data.spec
+        spec = session.call.spec
         return ("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, start)
 
     def loop_keys(self, session: LiveSession) -> set:
@@ -135,7 +135,7 @@ class H264Sessions:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""
         if not self.cfg.idle_loop:
             return
-        stream, spec = session.h264, session.data.spec
+        stream, spec = session.h264, session.call.spec
         cache = self.idle
         for start in range(0, stream.period, stream.chunk):
             key = self._loop_key(session, start)
@@ -175,7 +175,7 @@ class H264Sessions:
                 items[0].idr = True
                 stream.units[items[0].index].keyframe = True
         session.stats.encoded += len(items)
-        spec = session.data.spec
+        spec = session.call.spec
         deadline = session.due(items[-1].index) + ENCODE_GRACE_S
         message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
                                settings=self.settings(session), items=items, deadline=deadline,
