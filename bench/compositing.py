@@ -20,7 +20,7 @@ import zmq
 from config import parse_config
 from config.assets import AvatarAssets, ModelPaths, load_assets
 from config.geometry import crop_328
-from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.composite import encode_image, mouth_to_uint8, paste
 from cpu_actor.worker import run_cpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
 from shm.messages import CompositeDone, CompositeTask, Ready, ReleaseImages, decode, encode as encode_msg
@@ -40,7 +40,7 @@ def bare_loop(assets: AvatarAssets, mouths: np.ndarray, fmt: str, frames: int, c
         i = k % len(backgrounds)
         crop = crops[i].copy() if cached else crop_328(backgrounds[i], assets.rects[i])
         out = paste(backgrounds[i].copy(), crop, mouth_to_uint8(mouths[k % len(mouths)]), assets.rects[i])
-        encode(out, fmt, 75)
+        encode_image(out, fmt, 75)
     return (time.perf_counter() - t0) / frames
 
 

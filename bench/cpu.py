@@ -22,7 +22,7 @@ import psutil
 
 from config.assets import ModelPaths, load_assets
 from config.geometry import crop_328
-from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.composite import encode_image, mouth_to_uint8, paste
 from lipsync_client import AsyncClient
 from gpu_actor.runner import ModelRunner
 from gpu_actor.visual import build_visual
@@ -55,7 +55,7 @@ def bare_per_frame(avatar: Path, rounds: int = 8) -> dict:
         for i in range(BATCH):
             k = i % len(backgrounds)
             frame = paste(backgrounds[k].copy(), crops[k].copy(), mouth_to_uint8(mouths[i]), assets.rects[k])
-            encode(frame, "jpeg", 75)
+            encode_image(frame, "jpeg", 75)
         parts["composite + encode"] += time.process_time() - t
     return {k: v / (rounds * BATCH) * 1000 for k, v in parts.items()}
 

@@ -47,7 +47,7 @@ def paste(background: np.ndarray, crop: np.ndarray, mouth_hwc: np.ndarray, rect)
     return background
 
 
-def encode(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
+def encode_image(image: np.ndarray, fmt: str, quality: int) -> bytes | memoryview:
     """jpeg (libjpeg-turbo, 4:2:0, straight from BGR, a restart marker per MCU row: cpu_actor/jpeg.py),
     png (lossless), or raw HxWx3 BGR bytes."""
     if fmt == "jpeg":

@@ -25,7 +25,7 @@ import zmq
 
 from config import Config
 from config.assets import AssetCache, AssetError
-from cpu_actor.composite import RAW_I420, encode, mouth_to_uint8, paste
+from cpu_actor.composite import RAW_I420, encode_image, mouth_to_uint8, paste
 from cpu_actor.h264 import Encoders, apply_box, encode_frame, open_encoder, pack_box, to_i420
 from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
@@ -190,7 +190,7 @@ class Compositor:
                     continue
                 image = paste(background, crop, mouth, assets.rects[frame])
                 if targets is None:
-                    encoded.append(encode(image, task.format, task.quality))
+                    encoded.append(encode_image(image, task.format, task.quality))
         except StaleHandle as err:
             self.images.release_request(task.req)
             self._reply(task, code="timeout", message=f"request was cancelled before compositing ({err})")
@@ -230,7 +230,7 @@ class Compositor:
                     continue
                 background, _, hit = self.store.fetch(assets.store_id, frame, lambda f=frame: assets.decode(f))
                 hits += hit
-                encoded.append(encode(background, task.format, task.quality))
+                encoded.append(encode_image(background, task.format, task.quality))
         except (AssetError, StoreError) as err:
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST, message=str(err))
             self.to_frontend.send(encode_msg(reply))

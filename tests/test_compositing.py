@@ -12,7 +12,7 @@ import pytest
 import simplejpeg
 
 from config.assets import AssetError, ModelPaths, frame_index, load_assets
-from cpu_actor.composite import encode, mouth_to_uint8, paste
+from cpu_actor.composite import encode_image, mouth_to_uint8, paste
 from gpu_actor.visual import build_visual
 from shm.store import BackgroundStore, store_spec
 from tests.conftest import TEST_PREFIX
@@ -65,14 +65,14 @@ def test_frame_order_mirror_and_loop(n):
 
 def test_encoders(avatar):
     image, _ = avatar.decode(0)
-    png = encode(image, "png", 75)
+    png = encode_image(image, "png", 75)
     np.testing.assert_array_equal(cv2.imdecode(np.frombuffer(png, np.uint8), cv2.IMREAD_COLOR), image)
-    raw = encode(image, "raw", 75)
+    raw = encode_image(image, "raw", 75)
     np.testing.assert_array_equal(np.frombuffer(raw, np.uint8).reshape(H, W, 3), image)
-    jpeg = encode(image, "jpeg", 90)
+    jpeg = encode_image(image, "jpeg", 90)
     decoded = simplejpeg.decode_jpeg(jpeg, colorspace="BGR")
     assert decoded.shape == image.shape and np.abs(decoded.astype(int) - image).mean() < 8
-    assert len(encode(image, "jpeg", 10)) < len(jpeg)
+    assert len(encode_image(image, "jpeg", 10)) < len(jpeg)
 
 
 # -- refused assets ---------------------------------------------------------------------------------
