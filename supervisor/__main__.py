@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if config.models_dir is None and not config.models and args.role == "all":
         import msgspec
-        from supervisor.demo import build_demo   # NOTE: here: it imports OpenCV, which only the demo needs
+        from supervisor.demo import build_demo   # NOTE: here: only the embedded default serves the demo
         config = msgspec.structs.replace(config, models_dir=str(build_demo(config)))
     try:
         sup = Supervisor(config, args.role, stop)

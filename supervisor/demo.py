@@ -18,12 +18,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from config import Config, resolve_path
-from config.audio import write_speech
 from supervisor.progress import progress as _progress
+
+# NOTE: OpenCV (and the speech writer) are imported where the avatar is drawn: a start whose demo is
+# already built only checks its marker, and spawns its children ~20 ms of CPU sooner.
 
 WIDTH, HEIGHT = 1280, 720
 MODEL_ID = "demo"
@@ -38,6 +39,7 @@ def demo_root(config: Config) -> Path:
 
 def _scene(rng: np.random.Generator) -> np.ndarray:
     """A room: a graded wall, a window with sky, a floor, a shelf. Smooth, like video, not noise."""
+    import cv2
     y, x = np.mgrid[0:HEIGHT, 0:WIDTH].astype(np.float32)
     wall = np.stack([150 + 30 * (x / WIDTH), 160 + 20 * (y / HEIGHT), 175 - 25 * (x / WIDTH)], -1)
     img = wall.astype(np.uint8)
@@ -52,6 +54,7 @@ def _scene(rng: np.random.Generator) -> np.ndarray:
 
 
 def _frame(scene: np.ndarray, k: int, n: int) -> tuple[np.ndarray, list[int]]:
+    import cv2
     t = 2 * math.pi * k / n
     cx, cy = int(640 + 18 * math.sin(t) + 6 * math.sin(3.1 * t)), int(330 + 10 * math.sin(1.7 * t))
     img = scene.copy()
@@ -81,6 +84,8 @@ def build_demo(config: Config) -> Path:
     marker = root / "complete"
     if marker.exists():
         return root
+    import cv2
+    from config.audio import write_speech
     from gpu_actor.demo_model import write_demo_models
     from gpu_actor.model_builder import write_audio_encoder, write_model
 
