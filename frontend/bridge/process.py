@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -36,7 +36,7 @@ from config.geometry import VISUAL_BYTES, mouths_to_uint8, valid_model_id
 from config.keys import make_server, public_keys_in, start_authenticator
 from frontend import probes
 from frontend.core.request import Inputs, Kind, Request
-from frontend.core.scheduler import STATS_TIMEOUT_S, Fail, Scheduler, merge_model_stats
+from frontend.core.scheduler import STATS_TIMEOUT_S, Scheduler, merge_model_stats
 from frontend.core.shell import Shell
 from shm.child import CannotServe, bind_endpoint, child_main
 from shm.codes import ErrorCode
@@ -59,12 +59,19 @@ LIVE_EDGE_S = 5.0    # an edge heard from this recently is told goodbye at shutd
 
 @dataclass
 class EdgeCall:
-    """What the bridge keeps of an edge's request (the engine's `Request.work`). It is the only work the
-    bridge's requests carry, so the bridge answers every end itself (`done`, `fail`)."""
+    """An edge's request as the bridge keeps it: the engine's `Request.work` (core.request.Work), which
+    answers the edge when the request ends."""
 
     identity: bytes
     edge_req: int
     message: object                 # the edge's RemoteInfer / LoadModel / UnloadModel / StatsQuery
+    bridge: "BridgeServer" = field(repr=False)
+
+    def done(self, r: Request) -> None:
+        self.bridge.answer(self, r)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.bridge.refuse(self, code, message)
 
 
 class BridgeError(ValueError):
@@ -186,15 +193,15 @@ class BridgeServer(Shell):
         if isinstance(msg, LoadModel) and msg.pin < 0:   # an edge's session closed (no answer)
             self._unpin(identity, msg.model)
             return
-        call = EdgeCall(identity, msg.req, msg)
+        call = EdgeCall(identity, msg.req, msg, self)
         if self.draining:
-            self._refuse(call, ErrorCode.UNAVAILABLE, SHUTTING_DOWN)
+            self.refuse(call, ErrorCode.UNAVAILABLE, SHUTTING_DOWN)
             return
         try:
             request = self._request(call, msg, frames[2:])
         except BridgeError as err:
             log.warning("refused a request from an edge: %s", err)
-            self._refuse(call, ErrorCode.BAD_REQUEST, str(err))
+            self.refuse(call, ErrorCode.BAD_REQUEST, str(err))
             return
         self.apply(self.engine.submit(request, time.monotonic()))
 
@@ -246,7 +253,7 @@ class BridgeServer(Shell):
             deadline = now + msg.budget_ms / 1000   # re-anchored on this host's clock
         return Request(Kind.INFER, model, msg.batch, deadline=deadline, work=call, inputs=inputs)
 
-    def _refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
+    def refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
         msg = call.message
         if isinstance(msg, RemoteInfer):
             self._send(call.identity, InferDone(req=call.edge_req, worker=0, ok=False, code=code, message=message))
@@ -266,13 +273,9 @@ class BridgeServer(Shell):
         elif isinstance(msg, (LoadDone, StatsReport)):
             self.apply(self.engine.control_done(msg))
 
-    # -- the engine's actions (the rest: core/shell.py) --------------------------------------------
+    # -- how an edge's request ends (its EdgeCall calls these) -----------------------------------
 
-    def fail(self, action: Fail) -> None:
-        self._refuse(action.request.work, action.code, action.message)
-
-    def done(self, r: Request) -> None:
-        call = r.work
+    def answer(self, call: EdgeCall, r: Request) -> None:
         if r.kind is Kind.INFER:
             ring = self.outputs[r.worker]
             try:
@@ -283,7 +286,7 @@ class BridgeServer(Shell):
                                                     inference_ms=r.timing.get("inference_ms", 0.0),
                                                     input_ms=r.timing.get("input_ms", 0.0)), data)
             except StaleHandle as err:
-                self._refuse(call, ErrorCode.UNAVAILABLE, f"an inference worker restarted while the reply was read ({err})")
+                self.refuse(call, ErrorCode.UNAVAILABLE, f"an inference worker restarted while the reply was read ({err})")
         elif r.kind is Kind.STATS:
             answers = r.results
             self._send(call.identity, StatsReport(

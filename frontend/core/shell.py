@@ -30,8 +30,8 @@ SHUTDOWN_MESSAGE = "the server is shutting down; retry on another server"
 
 
 class Shell:
-    """Subclasses implement, where compositors exist, `render` and `free_images`; a request's end is its
-    work's (`done`, `fail`), which a shell whose work is all of one kind (the bridge) may answer itself."""
+    """Subclasses implement, where compositors exist, `render` and `free_images`; a request ends through
+    the work it carries (`Request.work`), which `done` and `fail` call."""
 
     def __init__(self, engine: Scheduler, to_gpu: Sequence, input_rings: Sequence[SlotRing], shutdown_timeout_s: float):
         self.engine, self.to_gpu, self.input_rings = engine, to_gpu, input_rings
