@@ -329,7 +329,9 @@ def _print_processes(r: dict) -> None:
     print(f"        CPU, % of one core over the run: " + "; ".join(parts) + "\n"
           f"        machine {machine['cpu']:.0f}% of {100 * machine['cores']}%; {verdict}; "
           f"the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent "
-          f"({r['frontend_loop_us_per_frame']:.0f} us in its busiest thread)", flush=True)
+          f"({r['frontend_loop_us_per_frame']:.0f} us in its busiest thread)\n"
+          f"        {first['process']} % of one core, second by second: "
+          + " ".join(map(str, procs[first['process']]['series'])), flush=True)
 
 
 def _print_queues(q: dict) -> None:
