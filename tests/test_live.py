@@ -19,7 +19,8 @@ from config import parse_config
 from lipsync_client import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
-from frontend.live.service import Live, Pin, SpeechBatch
+from frontend.live.service import Live, Pin
+from frontend.live.speech import SpeechBatch
 from frontend.metrics import Metrics
 from shm.codes import ErrorCode, ProcState
 from shm.messages import RenderIdle

@@ -18,7 +18,7 @@ from frontend.core.alarm import LOOP_CLOCK, Clock
 from frontend.core.request import Kind, Request
 from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES, H264Stream
 from frontend.live.host import Host
-from frontend.live.idle import IdleCache
+from frontend.live.idle import IdleCache, frame_bytes
 from frontend.live.timeline import LiveSession, SessionTable
 from shm.messages import EncodeFrames, EncodeItem, EncodeLoop, H264Settings
 
@@ -66,12 +66,6 @@ def _addressed(task, r: Request):
     """The compositor's message, with the id and deadline the engine gave its request."""
     task.req, task.deadline = r.req, r.deadline
     return task
-
-
-def frame_bytes(frame) -> bytes:
-    """A received ZeroMQ frame (or any buffer) as bytes the frontend can keep."""
-    kept = getattr(frame, "bytes", None)   # a zmq.Frame's own copy; any other buffer is copied here
-    return kept if isinstance(kept, bytes) else bytes(frame)
 
 
 class H264Sessions:

@@ -1,4 +1,5 @@
-"""Encoded idle frames (and H.264 idle loop chunks), shared by every session on an avatar."""
+"""Encoded frames live/ keeps: the cache of idle frames (and H.264 idle loop chunks), shared by every
+session on an avatar, and `frame_bytes`, a received frame as bytes that outlive the message."""
 
 from __future__ import annotations
 
@@ -30,3 +31,9 @@ class IdleCache:
         while self.bytes > self.max_bytes and len(self._frames) > 1:
             _, (_, old) = self._frames.popitem(last=False)
             self.bytes -= old
+
+
+def frame_bytes(frame) -> bytes:
+    """A received ZeroMQ frame (or any buffer) as bytes the frontend can keep."""
+    kept = getattr(frame, "bytes", None)   # a zmq.Frame's own copy; any other buffer is copied here
+    return kept if isinstance(kept, bytes) else bytes(frame)

@@ -2,10 +2,10 @@
 due, and the cache of encoded idle frames.
 
 The timelines live in live/timeline.py (no sockets); speech chunks become ordinary `composite`
-requests of the engine (routed, batched into slots, composited like any other, ended by a dead worker
-or a closed connection), whose frames are held until due instead of being replied. Idle frames are
-the avatar's backgrounds, encoded once by a compositing process (the engine's `render` requests) and
-kept in a bounded cache: a silent session costs the send and nothing else, no inference.
+requests of the engine (live/speech.py: routed, batched into slots, composited like any other, ended
+by a dead worker or a closed connection), whose frames are held until due instead of being replied.
+Idle frames are the avatar's backgrounds, encoded once by a compositing process (the engine's `render`
+requests) and kept in a bounded cache: a silent session costs the send and nothing else, no inference.
 
 `Live` reaches its host process only through the `Host` interface (live/host.py).
 """
@@ -23,10 +23,11 @@ from config.audio import AUDIO_SHAPE, SAMPLE_RATE, WINDOW_ROWS
 from lipsync_client import protocol as P
 from frontend.core.alarm import LOOP_CLOCK, Alarm, Clock
 from frontend.core.backlog import Backlogs
-from frontend.core.request import Inputs, Kind, Request, RequestError
-from frontend.live.h264_sessions import H264Sessions, frame_bytes
+from frontend.core.request import Kind, Request, RequestError
+from frontend.live.h264_sessions import H264Sessions
 from frontend.live.host import Host, OpenCall
-from frontend.live.idle import IdleCache
+from frontend.live.idle import IdleCache, frame_bytes
+from frontend.live.speech import SpeechBatcher
 from frontend.live.timeline import LiveSession, SessionTable
 from shm.codes import ErrorCode
 from shm.messages import RenderIdle
@@ -37,7 +38,6 @@ RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
 PACER_SLACK_S = 0.004      # frames due this soon go out with the frames due now (one tick for many sessions)
 MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
-BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
 
 
 @dataclass
@@ -89,32 +89,6 @@ class Pin:
         self.live.pin_failed(r, self.token, message)
 
 
-@dataclass
-class SpeechBatch:
-    """The work of an engine `composite` request of speech frames: each frame's (session, frame index,
-    utterance), held by its session until due instead of being replied."""
-    targets: list[tuple[str, int, Optional[int]]]
-    format: str
-    live: "Live" = field(repr=False)
-
-    def done(self, r: Request) -> None:
-        self.live.speech_done(r, self)
-
-    def failed(self, r: Request, code, message: str) -> None:
-        self.live.speech_failed(self, message)
-
-
-def speech_stages(timing: dict, answered: dict) -> dict:
-    """A composited batch's stages after its batch was formed, in ms (timeline.STAGES), from the
-    worker's and the compositors' own timings and when the host received their answers."""
-    composite_ms = timing.get("composite_ms", 0.0)
-    stages = {"queue": timing.get("queue_ms", 0.0), "inference": timing.get("inference_ms", 0.0),
-              "composite": composite_ms}
-    if "infer" in answered and "composite" in answered:   # (a reply can overtake the other on its way)
-        stages["to_composite"] = max((answered["composite"] - answered["infer"]) * 1000 - composite_ms, 0.0)
-    return stages
-
-
 class Live:
     def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, clock: Clock = LOOP_CLOCK):
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
@@ -130,12 +104,10 @@ class Live:
         self.pacer = Alarm(self._tick, clock)   # rings when the earliest session frame is due
         self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm,
                                  self._check_opens, self._opens_failed, clock)
+        self.speech = SpeechBatcher(host, self.table, config.limits.max_batch, self.cfg.latency_budget_ms, self._key,
+                                    clock)
         if viewer is not None:
             self.attach_viewer(viewer)
-        # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
-        # quality) for windows, by session token for pcm16 sessions.
-        self._pending: dict = {}
-        self._flush_timers: dict = {}
         self._opening: dict[str, Opening] = {}   # session_opens not answered yet (`_open`), by token
 
     # -- ops ------------------------------------------------------------------------------------
@@ -163,7 +135,7 @@ class Live:
                                                    frame=self.h264.keyframe(session)))
         if op is P.Op.SESSION_INTERRUPT:
             dropped = session.interrupt(call.header.utterance)
-            self._unqueue(session)
+            self.speech.interrupt(session)
             return P.encode(P.SessionInterruptReply(id=call.header.id, session=session.token, dropped=dropped,
                                                     utterance=session.retired))
         if op is P.Op.SESSION_CLOSE:
@@ -302,7 +274,7 @@ class Live:
         else:
             first, ready = session.features(values, header.last, now, spec.audio_shape, header.utterance)
         for frames, windows in ready:
-            self._infer(session, frames, windows)
+            self.speech.windows(session, frames, windows)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=n,
                                             utterance=session.latest_utterance))
 
@@ -319,100 +291,12 @@ class Live:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech reaches {ahead:.1f} s ahead of its "
                                f"stream (sessions.max_ahead_s); send audio in real time", header.id)
         first, frames, ready = session.pcm(bytes(audio), header.last, now, header.utterance)
-        # NOTE: per session (its frames index that utterance's encoder inputs); at `last` nothing more comes.
-        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=header.last)
+        self.speech.pcm(session, ready, header.last)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames,
                                             utterance=session.latest_utterance))
 
-    def _infer_pcm(self, session: LiveSession, items: list) -> None:
-        """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
-        worker runs the encoder on the encoder inputs these frames need and builds each frame's window
-        from its rows (-1: zeros)."""
-        for stream in dict.fromkeys(s for s, _, _ in items):   # one request per utterance
-            part = [(k, rows) for s, k, rows in items if s is stream]
-            rows = np.array([r for _, r in part])
-            used = rows[rows >= 0]
-            a, b = int(used.min()), int(used.max())
-            inputs = np.stack([stream.encoder_input(j) for j in range(a, b + 1)])
-            self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1),
-                             stream.name, a)
-
-    def _submit_pcm(self, session: LiveSession, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
-                    utterance: str, first_input: int) -> None:
-        spec = session.call.spec
-        _, _, _, fmt, quality = self._key(session, -1)
-        backgrounds = [session.background(k) for k in frames]
-        encoder_inputs = inputs
-        inputs = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(encoder_inputs, "<f4").tobytes(),
-                        "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
-                        quality=quality, enqueued=self.clock.now(), due=session.due(frames[0]))
-        targets = [(session.token, k, session.utterance_at(k)) for k in frames]
-        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
-                          work=SpeechBatch(targets, fmt, self), inputs=inputs)
-        session.submitted(frames, inputs.enqueued)
-        self.host.submit(request)
-
-    def _infer(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
-        """Speech windows of every session on the same model (and output format) share a batch."""
-        key = self._key(session, -1)
-        items = [(session.token, k, session.background(k), session.due(k), w, session.utterance_at(k))
-                 for k, w in zip(frames, windows)]
-        self._queue(key, items, lambda part: self._submit_batch(key, part), session)
-
-    def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
-        """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
-        at once, the rest after at most one frame period (capped at a quarter of the latency budget), or
-        at once with `now`. Fewer, larger requests are what keeps many sessions on time: each request
-        holds an input and an output slot."""
-        pending = self._pending.setdefault(key, [])
-        pending += items
-        step = self.config.limits.max_batch
-        while len(pending) >= step:
-            submit(pending[:step])
-            del pending[:step]
-        if pending and now:
-            self._flush(key, submit)
-        elif pending and key not in self._flush_timers:
-            wait = min(BATCH_WAIT_FRAMES / session.fps, self.cfg.latency_budget_ms / 4000)
-            self._flush_timers[key] = self.clock.call_at(self.clock.now() + wait, lambda: self._flush(key, submit))
-
-    def _unqueue(self, session: LiveSession) -> None:
-        """An interrupt: the session's speech frames waiting to share a batch go, wherever they wait
-        (its own pcm16 queue, or its model's window queue with other sessions' frames)."""
-        self._pending.pop(session.token, None)
-        for key, pending in self._pending.items():
-            pending[:] = [item for item in pending if item[0] != session.token]
-
-    def _flush(self, key, submit) -> None:
-        timer = self._flush_timers.pop(key, None)
-        if timer is not None:
-            timer.cancel()
-        pending = self._pending.pop(key, [])
-        if pending:
-            submit(pending)
-
-    def _submit_batch(self, key: tuple, items: list) -> None:
-        items = [it for it in items if self.table.get(it[0]) is not None]   # sessions closed meanwhile
-        if not items:
-            return
-        model, version, _, fmt, quality = key
-        spec = self.table.get(items[0][0]).call.spec
-        audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
-        inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
-                        tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
-                        due=min(due for _, _, _, due, _, _ in items))
-        request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
-                          work=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt, self),
-                          inputs=inputs)
-        for token, k, *_ in items:
-            self.table.get(token).submitted([k], inputs.enqueued)
-        self.host.submit(request)
-
     def _close(self, session: LiveSession) -> None:
-        self._pending.pop(session.token, None)
-        timer = self._flush_timers.pop(session.token, None)
-        if timer is not None:
-            timer.cancel()
+        self.speech.close(session)
         self._release(session)
         if self.viewer is not None:
             self.viewer.close(session.token)
@@ -467,28 +351,6 @@ class Live:
             self._open_failed(token, ErrorCode.UNAVAILABLE, f"model {r.model}: {message}")
         else:
             log.info("pinning the model of a session failed: %s", message)   # its frames still route as usual
-
-    def speech_done(self, r: Request, batch: SpeechBatch) -> None:
-        """A batch of speech frames was composited: each session holds its own until due."""
-        images = [img for start in sorted(r.images) for img in r.images[start]]
-        if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
-            images = [bytes(img) for img in images]
-            self.host.free_images(r.req, r.image_slots)
-        elif batch.format == "i420":   # H.264 face boxes: they go on to the session's encoder
-            images = [frame_bytes(img) for img in images]
-        now = self.clock.now()
-        stages = speech_stages(r.timing, r.answered)
-        for (token, k, utterance), image in zip(batch.targets, images):
-            session = self.table.get(token)
-            if session is not None:
-                session.ready(k, utterance, image, stages, now)
-
-    def speech_failed(self, batch: SpeechBatch, message: str) -> None:
-        for token, k, utterance in batch.targets:
-            session = self.table.get(token)
-            if session is not None:
-                session.failed(k, utterance)   # it goes out idle, counted as missed; the stream goes on
-        log.info("%d session speech frame(s) failed: %s", len(batch.targets), message)
 
     def idle_done(self, r: Request, render: IdleRender) -> None:
         images = [img for start in sorted(r.images) for img in r.images[start]]

@@ -309,7 +309,7 @@ class Frontend(Shell):
         self.apply(self.engine.composite_done(msg, self._composited(msg, data)))
 
     def _answered(self, req: int, what: str) -> None:
-        """When an answer arrived: a live speech frame's stages (live/service.speech_stages)."""
+        """When an answer arrived: a live speech frame's stages (live/speech.speech_stages)."""
         r = self.engine.table.get(req)
         if r is not None:
             r.answered[what] = time.monotonic()

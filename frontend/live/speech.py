@@ -1,0 +1,186 @@
+"""Live sessions' speech on its way to the engine and back: speech frames of every session on one
+model and output format share `composite` requests (at most limits.max_batch frames, waiting at most
+one frame period); a pcm16 session's share its own, one per utterance. The composited frames go back
+to their sessions (live/timeline.py), held until due instead of being replied.
+
+Fewer, larger requests are what keeps many sessions on time: each request holds an input and an
+output slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from frontend.core.alarm import Clock
+from frontend.core.request import Inputs, Kind, Request
+from frontend.live.host import Host
+from frontend.live.idle import frame_bytes
+from frontend.live.timeline import LiveSession, SessionTable
+
+log = logging.getLogger(__name__)
+BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
+
+
+@dataclass
+class SpeechBatch:
+    """The work of an engine `composite` request of speech frames: each frame's (session, frame index,
+    utterance), held by its session until due instead of being replied."""
+    targets: list[tuple[str, int, Optional[int]]]
+    format: str
+    batcher: "SpeechBatcher" = field(repr=False)
+
+    def done(self, r: Request) -> None:
+        self.batcher.done(r, self)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.batcher.failed(self, message)
+
+
+def speech_stages(timing: dict, answered: dict) -> dict:
+    """A composited batch's stages after its batch was formed, in ms (timeline.STAGES), from the
+    worker's and the compositors' own timings and when the host received their answers."""
+    composite_ms = timing.get("composite_ms", 0.0)
+    stages = {"queue": timing.get("queue_ms", 0.0), "inference": timing.get("inference_ms", 0.0),
+              "composite": composite_ms}
+    if "infer" in answered and "composite" in answered:   # (a reply can overtake the other on its way)
+        stages["to_composite"] = max((answered["composite"] - answered["infer"]) * 1000 - composite_ms, 0.0)
+    return stages
+
+
+class SpeechBatcher:
+    """`key(session, background)`: the (model, version, background, format, quality) of a session's
+    encoded frame (live/service.py); speech frames of the same model, version, format and quality
+    share a batch."""
+
+    def __init__(self, host: Host, table: SessionTable, max_batch: int, latency_budget_ms: float,
+                 key: Callable[[LiveSession, int], tuple], clock: Clock):
+        self.host, self.table, self.clock = host, table, clock
+        self.max_batch, self.latency_budget_ms = max_batch, latency_budget_ms
+        self._key = key
+        # Speech frames waiting to share a batch, and their flush timers: by (model, version, -, format,
+        # quality) for windows, by session token for pcm16 sessions.
+        self._pending: dict = {}
+        self._flush_timers: dict = {}
+
+    def windows(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
+        """Speech windows of every session on the same model (and output format) share a batch."""
+        key = self._key(session, -1)
+        items = [(session.token, k, session.background(k), session.due(k), w, session.utterance_at(k))
+                 for k, w in zip(frames, windows)]
+        self._queue(key, items, lambda part: self._submit_batch(key, part), session)
+
+    def pcm(self, session: LiveSession, ready: list, last: bool) -> None:
+        """A pcm16 session's frames now computable, [(stream, frame, rows)] (LiveSession.pcm)."""
+        # NOTE: per session (its frames index that utterance's encoder inputs); at `last` nothing more comes.
+        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=last)
+
+    def interrupt(self, session: LiveSession) -> None:
+        """An interrupt: the session's speech frames waiting to share a batch go, wherever they wait
+        (its own pcm16 queue, or its model's window queue with other sessions' frames)."""
+        self._pending.pop(session.token, None)
+        for key, pending in self._pending.items():
+            pending[:] = [item for item in pending if item[0] != session.token]
+
+    def close(self, session: LiveSession) -> None:
+        self._pending.pop(session.token, None)
+        timer = self._flush_timers.pop(session.token, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _infer_pcm(self, session: LiveSession, items: list) -> None:
+        """Speech frames from PCM, batched per session (up to one frame period, like window chunks): the
+        worker runs the encoder on the encoder inputs these frames need and builds each frame's window
+        from its rows (-1: zeros)."""
+        for stream in dict.fromkeys(s for s, _, _ in items):   # one request per utterance
+            part = [(k, rows) for s, k, rows in items if s is stream]
+            rows = np.array([r for _, r in part])
+            used = rows[rows >= 0]
+            a, b = int(used.min()), int(used.max())
+            inputs = np.stack([stream.encoder_input(j) for j in range(a, b + 1)])
+            self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1),
+                             stream.name, a)
+
+    def _submit_pcm(self, session: LiveSession, frames: list[int], inputs: np.ndarray, rows: np.ndarray,
+                    utterance: str, first_input: int) -> None:
+        spec = session.call.spec
+        _, _, _, fmt, quality = self._key(session, -1)
+        backgrounds = [session.background(k) for k in frames]
+        encoder_inputs = inputs
+        inputs = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(encoder_inputs, "<f4").tobytes(),
+                        "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
+                        quality=quality, enqueued=self.clock.now(), due=session.due(frames[0]))
+        targets = [(session.token, k, session.utterance_at(k)) for k in frames]
+        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
+                          work=SpeechBatch(targets, fmt, self), inputs=inputs)
+        session.submitted(frames, inputs.enqueued)
+        self.host.submit(request)
+
+    def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
+        """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
+        at once, the rest after at most one frame period (capped at a quarter of the latency budget), or
+        at once with `now`. Fewer, larger requests are what keeps many sessions on time: each request
+        holds an input and an output slot."""
+        pending = self._pending.setdefault(key, [])
+        pending += items
+        step = self.max_batch
+        while len(pending) >= step:
+            submit(pending[:step])
+            del pending[:step]
+        if pending and now:
+            self._flush(key, submit)
+        elif pending and key not in self._flush_timers:
+            wait = min(BATCH_WAIT_FRAMES / session.fps, self.latency_budget_ms / 4000)
+            self._flush_timers[key] = self.clock.call_at(self.clock.now() + wait, lambda: self._flush(key, submit))
+
+    def _flush(self, key, submit) -> None:
+        timer = self._flush_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        pending = self._pending.pop(key, [])
+        if pending:
+            submit(pending)
+
+    def _submit_batch(self, key: tuple, items: list) -> None:
+        items = [it for it in items if self.table.get(it[0]) is not None]   # sessions closed meanwhile
+        if not items:
+            return
+        model, version, _, fmt, quality = key
+        spec = self.table.get(items[0][0]).call.spec
+        audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
+        inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
+                        tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
+                        due=min(due for _, _, _, due, _, _ in items))
+        request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
+                          work=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt, self),
+                          inputs=inputs)
+        for token, k, *_ in items:
+            self.table.get(token).submitted([k], inputs.enqueued)
+        self.host.submit(request)
+
+    # -- results (a SpeechBatch calls these) ----------------------------------------------------------
+
+    def done(self, r: Request, batch: SpeechBatch) -> None:
+        """A batch of speech frames was composited: each session holds its own until due."""
+        images = [img for start in sorted(r.images) for img in r.images[start]]
+        if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
+            images = [bytes(img) for img in images]
+            self.host.free_images(r.req, r.image_slots)
+        elif batch.format == "i420":   # H.264 face boxes: they go on to the session's encoder
+            images = [frame_bytes(img) for img in images]
+        now = self.clock.now()
+        stages = speech_stages(r.timing, r.answered)
+        for (token, k, utterance), image in zip(batch.targets, images):
+            session = self.table.get(token)
+            if session is not None:
+                session.ready(k, utterance, image, stages, now)
+
+    def failed(self, batch: SpeechBatch, message: str) -> None:
+        for token, k, utterance in batch.targets:
+            session = self.table.get(token)
+            if session is not None:
+                session.failed(k, utterance)   # it goes out idle, counted as missed; the stream goes on
+        log.info("%d session speech frame(s) failed: %s", len(batch.targets), message)
