@@ -32,6 +32,10 @@ class Metrics:
                                   ["worker"], registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
         self.sessions_open = Gauge("lipsync_sessions_open", "Live sessions open", registry=r)
+        self.sessions_refused = Counter("lipsync_sessions_refused", "session_opens answered busy: the server was "
+                                        "full (sessions.max_sessions, max_cpu_load, max_process_load)", registry=r)
+        self.cpu_load = Gauge("lipsync_cpu_load", "The server's processes' CPU over the last seconds, as a share of "
+                              "the cores the host gives them (measured while sessions are admitted)", registry=r)
         self.session_frames = Counter("lipsync_session_frames", "Live session frames by kind: speech, idle; "
                                       "missed (idle where speech was due), dropped (client not reading), skipped",
                                       ["kind"], registry=r)

@@ -64,16 +64,17 @@ def test_a_burst_on_an_idle_host_is_let_in_a_few_per_window_until_measured():
     cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
     host = Host(cap, {"frontend": 0.07}, {"frontend": 0.0})
     host.run(0, 2.0)
-    admitted = [cap.refuse(host.now, n) is None for n in range(10)]
-    assert sum(admitted) == RAMP
-    busy = cap.refuse(host.now, RAMP)
+    ramp = 2 * RAMP   # per core
+    admitted = [cap.refuse(host.now, n) is None for n in range(20)]
+    assert sum(admitted) == ramp
+    busy = cap.refuse(host.now, ramp)
     assert "measured" in busy.message and busy.retry_after_s == cap.window_s
-    host.run(RAMP, 2.0)          # now their cost is known: 7 % each
+    host.run(ramp, 2.0)          # now their cost is known: 7 % each
     # the burst's rest fits by the measured cost, all at once: 0.07 n <= 0.9 (the frontend's core)
     extra = 0
-    while cap.refuse(host.now, RAMP + extra) is None:
+    while cap.refuse(host.now, ramp + extra) is None:
         extra += 1
-    assert RAMP + extra == 12
+    assert ramp + extra == 12
 
 
 def test_sessions_that_close_make_room_at_once():

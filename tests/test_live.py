@@ -351,3 +351,49 @@ def test_rates_a_stream_cannot_keep_are_refused():
         _open(live, Peer("p"), fps=0.5)
     assert err.value.code is ErrorCode.BAD_REQUEST and "header.fps" in err.value.message
     assert not host.submitted and not len(live.table)
+
+
+def test_a_full_host_refuses_session_open_busy_with_when_to_retry():
+    """The CPU the host's processes use is the test's: each open session costs 11 % of the frontend's
+    core and 5 % of a compositor's; on 2 cores at sessions.max_cpu_load 0.75 (1.5 cores, 9 sessions) the
+    frontend's own core is the limit first (max_process_load 0.9): 8 sessions, then `busy` naming it."""
+    config = parse_config({"sessions": {"start_delay_ms": 100, "max_queued_frames": 10_000}})
+    host, clock = RecordingHost(), VirtualClock()
+    used = {"frontend": 0.0, "cpu0": 0.0}
+    last = [clock.now()]
+
+    def cpu():   # CPU seconds so far, as the open sessions have run since the last read
+        sessions = len(live.table)
+        elapsed, last[0] = clock.now() - last[0], clock.now()
+        used["frontend"] += elapsed * 0.11 * sessions
+        used["cpu0"] += elapsed * 0.05 * sessions
+        return dict(used)
+
+    live = Live(host, config, Metrics(), clock=clock, cpu=cpu, cores=2)
+    peers, refused = [Peer(f"p{i}") for i in range(20)], None
+    for peer in peers:
+        try:
+            _open(live, peer)
+        except RequestError as err:
+            refused = err
+            break
+        clock.advance(live.capacity.window_s)   # the window measures the sessions open now
+    assert len(live.table) == 8
+    assert refused.code is ErrorCode.BUSY and "frontend" in refused.message and "max_process_load" in refused.message
+    assert refused.retry_after_s == live.capacity.window_s
+    frames = len(_frames(host, peers[0]))
+    clock.advance(1.0)
+    assert len(_frames(host, peers[0])) == frames + FPS    # the sessions already open go on at their rate
+    live.handle(_call("session_close", peers[0], session=_replies(host, peers[0])[0]["session"]), [])
+    _open(live, peers[8])                                    # a closed session's room is free at once
+    assert len(live.table) == 8
+
+
+def test_past_max_sessions_session_open_is_busy():
+    live, host, clock = _live(max_sessions=2)
+    _open(live, Peer("a"))
+    _open(live, Peer("b"))
+    with pytest.raises(RequestError) as err:
+        _open(live, Peer("c"))
+    assert err.value.code is ErrorCode.BUSY and "sessions.max_sessions" in err.value.message
+    assert err.value.retry_after_s > 0

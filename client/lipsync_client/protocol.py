@@ -23,6 +23,7 @@ class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"      # malformed header, unknown op, wrong frames or sizes, bad range or id, bad model files
     UNKNOWN_MODEL = "unknown_model"  # no such model, or its files are missing
     OVERLOADED = "overloaded"        # the worker's queue is full: retry later
+    BUSY = "busy"                    # session_open: this server is full; retry after error.retry_after_ms or elsewhere
     TIMEOUT = "timeout"              # the deadline passed before the work finished
     UNAVAILABLE = "unavailable"      # a worker died or is restarting, or no GPU host is reachable
     FORBIDDEN = "forbidden"          # the client's tenant may not use this model
@@ -101,9 +102,10 @@ class RequestHeader(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 
 # -- replies ----------------------------------------------------------------------------------
 
-class ErrorBody(msgspec.Struct):
+class ErrorBody(msgspec.Struct, omit_defaults=True):
     code: ErrorCode
     message: str
+    retry_after_ms: Optional[int] = None   # busy: when this server may have room again
 
 
 class ErrorReply(msgspec.Struct, kw_only=True):
@@ -282,10 +284,11 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def error_reply(request_id: RequestId, code: ErrorCode, message: str) -> bytes:
+def error_reply(request_id: RequestId, code: ErrorCode, message: str, retry_after_s: Optional[float] = None) -> bytes:
     """Always encodable: text a client sent (an id, a key name) may hold what UTF-8 cannot carry."""
+    retry = None if retry_after_s is None else max(round(retry_after_s * 1000), 1)
     try:
-        return encode(ErrorReply(id=request_id, error=ErrorBody(code, message)))
+        return encode(ErrorReply(id=request_id, error=ErrorBody(code, message, retry)))
     except UnicodeEncodeError:
         scrubbed = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        return encode(ErrorReply(id=None, error=ErrorBody(code, scrubbed)))
+        return encode(ErrorReply(id=None, error=ErrorBody(code, scrubbed, retry)))

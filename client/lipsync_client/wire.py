@@ -20,6 +20,12 @@ class ServerError(Exception):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.reply = code, message, reply
 
+    @property
+    def retry_after_s(self) -> Optional[float]:
+        """`busy`: how long until the server may have room (error.retry_after_ms); None if it did not say."""
+        ms = ((self.reply or {}).get("error") or {}).get("retry_after_ms")
+        return None if ms is None else ms / 1000
+
 
 class ClientTimeout(TimeoutError):
     """No reply within the client's own timeout (the server may be down or restarting)."""

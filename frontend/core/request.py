@@ -22,9 +22,10 @@ class RequestError(Exception):
     """A request refused before the engine takes it: sent back as an error reply with `code`; the
     message says what to change."""
 
-    def __init__(self, code: ErrorCode, message: str, request_id: Any = None):
+    def __init__(self, code: ErrorCode, message: str, request_id: Any = None, retry_after_s: Optional[float] = None):
         super().__init__(message)
         self.code, self.message, self.request_id = code, message, request_id
+        self.retry_after_s = retry_after_s   # busy: when to ask again (error.retry_after_ms)
 
 
 @dataclass

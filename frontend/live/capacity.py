@@ -12,8 +12,8 @@ and of each process's one core. A session_open is refused while, with one more s
   `max_process_load` of its core: past that it falls behind, whatever the other cores do.
 
 Until the window has seen a session (a fresh server, or one whose sessions all closed and whose cost is
-not known yet), at most RAMP sessions per window are let in, so that a burst of opens on an idle host is
-measured before it is all admitted. Sessions opened since the window's start count at the last known cost.
+not known yet), at most RAMP sessions per core per window are let in, so that a burst of opens on an idle
+host is measured before it is all admitted. Sessions opened since the window's start count at the last known cost.
 The numbers come in through `sample`, so the rule runs on a test's clock with made-up loads.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 SAMPLE_S = 0.5
-RAMP = 4     # sessions admitted per window while no session's cost has been measured
+RAMP = 4     # sessions admitted per core per window while no session's cost has been measured
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Capacity:
             admitted = self._admitted
             while admitted and now - admitted[0] >= self.window_s:
                 admitted.popleft()
-            if len(admitted) >= RAMP:
+            if len(admitted) >= max(round(RAMP * self.cores), 1):
                 return Busy(f"{len(admitted)} sessions opened in the last {self.window_s:g} s before their cost "
                             "on this server was measured; retry shortly", retry)
             admitted.append(now)

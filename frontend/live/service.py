@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from lipsync_client import protocol as P
 from frontend.core.alarm import LOOP_CLOCK, Alarm, Clock
 from frontend.core.backlog import Backlogs
 from frontend.core.request import Kind, Request, RequestError
+from frontend.live.capacity import SAMPLE_S, Capacity, host_cores
 from frontend.live.h264_sessions import H264Sessions
 from frontend.live.host import Host, OpenCall
 from frontend.live.idle import IdleCache, frame_bytes
@@ -38,6 +39,7 @@ RENDER_BATCH = 8
 RENDER_TIMEOUT_S = 10.0
 PACER_SLACK_S = 0.004      # frames due this soon go out with the frames due now (one tick for many sessions)
 MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
+BUSY_RETRY_S = 2.0        # sessions.max_sessions reached: when to ask again
 
 
 @dataclass
@@ -90,13 +92,23 @@ class Pin:
 
 
 class Live:
-    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, clock: Clock = LOOP_CLOCK):
+    def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, clock: Clock = LOOP_CLOCK,
+                 cpu: Optional[Callable[[], Mapping[str, float]]] = None, cores: Optional[float] = None):
+        """`cpu`: the CPU seconds each of the host's server processes has used so far (named frontend,
+        cpuN, gpuN); with it, session_open is refused `busy` past the host's capacity (live/capacity.py)
+        on `cores` (default: what this process may use)."""
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
         self.clock = clock   # every time read and timer set here: the loop's, or a test's virtual one
         self.cfg = config.sessions
+        self._cpu = cpu
+        self.capacity = (Capacity(cores or host_cores(), self.cfg.max_cpu_load, self.cfg.max_process_load,
+                                  single_threaded=lambda name: not name.startswith("gpu"))
+                         if cpu is not None and self.cfg.max_cpu_load > 0 else None)
+        self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
         # NOTE: the label lookup once, not per frame sent
         self._counted = {kind: metrics.session_frames.labels(kind)
                          for kind in ("speech", "idle", "missed", "dropped", "skipped")}
+        self._refused, self._cpu_load = metrics.sessions_refused, metrics.cpu_load
         self._lateness = metrics.session_lateness
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
@@ -144,10 +156,7 @@ class Live:
 
     def _open(self, call: OpenCall) -> None:
         header, spec = call.header, call.spec
-        if len(self.table) + len(self._opening) >= self.cfg.max_sessions:
-            raise RequestError(ErrorCode.OVERLOADED, f"{len(self.table) + len(self._opening)} sessions are open "
-                               "(sessions.max_sessions); "
-                               "retry later or on another server", header.id)
+        self._admit(header.id)
         elements = int(np.prod(spec.audio_shape))
         mode = header.audio or "window"
         if mode == "pcm16" and (tuple(spec.audio_shape) != AUDIO_SHAPE or not spec.encoder):
@@ -202,6 +211,29 @@ class Live:
         opening.awaiting = {key for key in keys if key in self.idle.rendering}
         self._check_open(opening)
         return None
+
+    def _admit(self, request_id) -> None:
+        """Refuse a session_open `busy` past sessions.max_sessions, or past the host's measured capacity."""
+        opened = len(self.table) + len(self._opening)
+        if opened >= self.cfg.max_sessions:
+            self._refused.inc()
+            raise RequestError(ErrorCode.BUSY, f"{opened} sessions are open (sessions.max_sessions); retry later or "
+                               "on another server", request_id, retry_after_s=BUSY_RETRY_S)
+        if self.capacity is None:
+            return
+        if self._sampler is None:
+            self._sample()
+        busy = self.capacity.refuse(self.clock.now(), opened)
+        if busy is not None:
+            self._refused.inc()
+            raise RequestError(ErrorCode.BUSY, busy.message, request_id, retry_after_s=busy.retry_after_s)
+
+    def _sample(self) -> None:
+        now = self.clock.now()
+        self.capacity.sample(now, self._cpu(), len(self.table))
+        if self.capacity.load is not None:
+            self._cpu_load.set(self.capacity.load.total / self.capacity.cores)
+        self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
 
     def _check_open(self, opening: "Opening") -> None:
         """Answer a session_open once its session is ready (`_open`)."""

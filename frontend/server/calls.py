@@ -60,8 +60,9 @@ class Server(Protocol):
     def send(self, reply_to: ReplyTo, header: bytes, data: list = (), req: int = 0, image_slots=()) -> bool:
         """Send a reply (server/replies.py); False if it was dropped."""
 
-    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
-        """Send an error reply."""
+    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str,
+              retry_after_s: Optional[float] = None) -> None:
+        """Send an error reply (with when to retry, for busy)."""
 
     def readiness(self) -> tuple[str, Optional[str]]:
         """/readyz's answer (frontend/probes.py), which the `health` op shares."""

@@ -80,7 +80,7 @@ class Intake:
 
     def _refuse(self, call: Call, err: RequestError) -> None:
         self.metrics.requests.labels(call.header.op.value, call.label, err.code.value).inc()
-        self.server.error(call.reply_to, call.header.id, err.code, err.message)
+        self.server.error(call.reply_to, call.header.id, err.code, err.message, err.retry_after_s)
 
     def _timeout_s(self, header: P.RequestHeader) -> float:
         return header.timeout_ms / 1000 if header.timeout_ms else self.config.limits.request_timeout_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Optional
 
@@ -31,6 +32,7 @@ from frontend.core.backlog import Backlogs
 from frontend.core.request import Kind, Request
 from frontend.core.scheduler import Render, Scheduler
 from frontend.core.shell import Shell
+from frontend.live.capacity import ProcessCpu
 from frontend.live.service import Live
 from frontend.metrics import Metrics
 from frontend.server.calls import ReplyTo, Tenant
@@ -38,7 +40,7 @@ from frontend.server.catalog import Catalog
 from frontend.server.intake import Intake
 from frontend.server.replies import Replies
 from shm.child import bind_endpoint, child_main, listen_tcp
-from shm.codes import ErrorCode
+from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, StatsReport,
                           decode, encode)
@@ -98,7 +100,11 @@ class Frontend(Shell):
         self.viewer = None
         self.viewer_sockets = (listen_tcp(config.viewer.host, config.viewer.port, "viewer.port", "(0: no viewer)")
                                if config.viewer.port else [])
-        self.live = Live(self, config, self.metrics)
+        # session_open is refused `busy` past what this host's cores hold (live/capacity.py): by the CPU
+        # time of the server's processes here, this one and those the supervisor reports (_process_event)
+        self.cpu = ProcessCpu()
+        self.cpu.track("frontend", os.getpid())
+        self.live = Live(self, config, self.metrics, cpu=self.cpu.read)
         self.intake = Intake(self, self.live, self.tenants)
         self.deadlines = Alarm(self._on_deadline)
         # The workers' and compositors' messages, by type (anything else is ignored)
@@ -282,8 +288,9 @@ class Frontend(Shell):
              also: Optional[list] = None) -> bool:
         return self.replies.send(reply_to, header, data, req, image_slots, also)
 
-    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
-        self.replies.error(reply_to, request_id, code, message)
+    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str,
+              retry_after_s: Optional[float] = None) -> None:
+        self.replies.error(reply_to, request_id, code, message, retry_after_s)
 
     def free_images(self, req: int, compositors) -> None:
         self.replies.free_images(req, compositors)
@@ -342,6 +349,7 @@ class Frontend(Shell):
         return [frames[i] for i in range(len(frames))]
 
     def _process_event(self, msg: ProcessEvent, data: list) -> None:
+        self.cpu.track(f"{msg.role.value}{msg.index}", msg.pid if msg.state is ProcState.READY else None)
         procs = self.engine.workers if msg.role == "gpu" else self.engine.compositors
         if 0 <= msg.index < len(procs) and msg.restarts > procs[msg.index].restarts:
             self.metrics.restarts.labels(msg.role.value).inc(msg.restarts - procs[msg.index].restarts)

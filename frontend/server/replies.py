@@ -72,8 +72,9 @@ class Replies:
             asyncio.get_running_loop().call_soon(self._recheck_reads)
         return True
 
-    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str) -> None:
-        self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message))
+    def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str,
+              retry_after_s: Optional[float] = None) -> None:
+        self.send(reply_to, P.error_reply(request_id, ErrorCode(code), message, retry_after_s))
 
     def free_images(self, req: int, compositors) -> None:
         for j in compositors:
