@@ -327,3 +327,37 @@ def test_a_host_past_its_cpu_share_answers_busy_and_its_sessions_go_on(models, t
         got = frames_until(first, int(FPS))
         got += frames_until(first, got[-1][1]["index"] + int(FPS))   # a second past the refusals
         assert [h["index"] for _, h, _ in got] == list(range(len(got))), "frames dropped or out of order"
+
+
+def test_the_avatar_sdk_waits_for_room_on_a_full_server_as_the_server_says(models, tmp_path):
+    """AvatarStream.open on a full server (sessions.max_sessions 1): asks again after each busy's
+    retry_after_ms, and opens once the other session closes; with no time to wait, it fails naming busy."""
+    import asyncio
+
+    from lipsync_client.avatar import AvatarGone, AvatarStream
+    import urllib.request
+    cfg = base_config(models, sessions={"max_sessions": 1}, metrics={"port": free_port()})
+
+    def refused() -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("lipsync_sessions_refused_total"))
+
+    async def scenario(endpoint: str) -> None:
+        hurried = AvatarStream(endpoint, "a", busy_wait_s=0)
+        with pytest.raises(AvatarGone, match="busy"):
+            await hurried.open()
+        assert refused() == 1
+        patient = AvatarStream(endpoint, "a", busy_wait_s=60)
+        opening = asyncio.create_task(patient.open())
+        while refused() < 3:    # refused, and asked again when the server said
+            assert not opening.done()
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(holder.__exit__, None, None, None)   # the other session closes: room
+        info = await opening
+        assert info["session"] and patient.width == 320
+        await patient.close()
+
+    with run_server(tmp_path, cfg) as srv:
+        holder = Session(srv.endpoint, "a")
+        asyncio.run(scenario(srv.endpoint))

@@ -14,7 +14,8 @@ so each frame says which utterance it plays, and `frame.ended` marks the one aft
 utterance has played to its end. An interrupt retires every utterance so far, here and at the
 server: samples of a retired utterance said later (audio that was on its way when the user barged
 in) are dropped, and its frames still on their way from the server come out with no audio and, in
-place of its speech image, the avatar's last idle frame. The first ~453 ms of an utterance (the
+place of its speech image, the avatar's last idle frame. A full server (`busy`) is asked again when
+it says, for up to `busy_wait_s`. The first ~453 ms of an utterance (the
 model's look-ahead) is sent as one chunk: the server then places its first frame by the audio in
 hand, the latency budget ahead (a TTS faster than real time has it sooner than that).
 """
@@ -22,6 +23,7 @@ hand, the latency budget ahead (a TTS faster than real time has it sooner than t
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +36,9 @@ from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
 LOOKAHEAD_SAMPLES = 7240     # at 16 kHz: what frame 0 of an utterance needs before it can be inferred
 STALL_S = 3.0                # no frame for this long (the server sends 25 a second): the server is gone
 REQUEST_TIMEOUT_S = 5.0
+BUSY_WAIT_S = 10.0           # a full server (`busy`): how long `open` asks again for room before giving up
+
+log = logging.getLogger(__name__)
 
 
 class AvatarGone(ConnectionError):
@@ -52,11 +57,14 @@ class AvatarFrame:
 class AvatarStream:
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, model: str = "demo", *, sample_rate: int = 24000,
                  pixel_format: str = "rgb24", curve: Optional[dict] = None, start_frame: int = 0,
-                 stall_s: float = STALL_S, timeout_s: float = REQUEST_TIMEOUT_S):
+                 stall_s: float = STALL_S, timeout_s: float = REQUEST_TIMEOUT_S, busy_wait_s: float = BUSY_WAIT_S):
+        """`busy_wait_s`: how long `open` keeps asking a full server (`busy`) for room, as often as it says."""
         self.endpoint, self.model, self.sample_rate, self.pixel_format = endpoint, model, sample_rate, pixel_format
-        self._session = AsyncSession(endpoint, model, curve=curve, timeout_s=timeout_s, format="raw",
-                                     pixel_format=pixel_format, audio="pcm16", sample_rate=sample_rate,
-                                     start_frame=start_frame)
+        self._new_session = lambda: AsyncSession(endpoint, model, curve=curve, timeout_s=timeout_s, format="raw",
+                                                 pixel_format=pixel_format, audio="pcm16", sample_rate=sample_rate,
+                                                 start_frame=start_frame)
+        self._session = self._new_session()
+        self.busy_wait_s = busy_wait_s
         self.stall_s = stall_s
         self.width = self.height = 0
         self.fps = 25.0
@@ -71,14 +79,23 @@ class AvatarStream:
         self._idle_image: Optional[bytes] = None   # the last idle frame (shown in place of cut speech)
 
     async def open(self) -> dict:
-        try:
-            await self._session.__aenter__()
-        except (ServerError, ClientTimeout, asyncio.CancelledError) as err:
-            await self._session.__aexit__(None, None, None)
-            if isinstance(err, asyncio.CancelledError):
-                raise
-            raise AvatarGone(f"lip-sync server {self.endpoint}: opening a session of model {self.model!r} "
-                             f"failed: {err}") from err
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.busy_wait_s
+        while True:
+            try:
+                await self._session.__aenter__()
+                break
+            except (ServerError, ClientTimeout, asyncio.CancelledError) as err:
+                await self._session.__aexit__(None, None, None)
+                if isinstance(err, asyncio.CancelledError):
+                    raise
+                retry = err.retry_after_s if isinstance(err, ServerError) and err.code == "busy" else None
+                if retry is None or loop.time() + retry > give_up:
+                    raise AvatarGone(f"lip-sync server {self.endpoint}: opening a session of model {self.model!r} "
+                                     f"failed: {err}") from err
+                log.info("lip-sync server %s is full (%s); asking again in %.1f s", self.endpoint, err.message, retry)
+                await asyncio.sleep(retry)   # as the server says: its room is measured, not guessed here
+                self._session = self._new_session()
         self._opened = True
         info = self._session.info
         self.width, self.height, self.fps = info["width"], info["height"], info["fps"]
