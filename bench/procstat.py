@@ -104,7 +104,7 @@ class CpuSampler(_Beat):
         (its busiest thread: name and % of one core), `wait` (% of the run its threads were runnable
         with no free core, all threads together), `saturated`, and `saturated_at` (seconds into the
         run when a `window_s` window first found its busiest thread >= SATURATED); `machine`: % of
-        all cores busy (anything running on the machine)."""
+        all cores busy, and `others` of it: what ran beside the processes sampled."""
         (t0, first, busy0), (t1, last, busy1) = self.samples[0], self.samples[-1]
         wall_ns = (t1 - t0) * 1e9
         out: dict = {}
@@ -124,7 +124,10 @@ class CpuSampler(_Beat):
                 "series": [round(w[1]) for w in windows],
             }
             out[name]["saturated"] = out[name]["thread_cpu"] >= SATURATED or out[name]["cpu"] >= SATURATED
-        out["machine"] = {"cpu": round(100 * (busy1 - busy0) / wall_ns, 1), "cores": os.cpu_count()}
+        machine = 100 * (busy1 - busy0) / wall_ns
+        ours = sum(v["cpu"] for v in out.values())
+        # NOTE: anything else running on the machine meanwhile skews every figure: say how much there was
+        out["machine"] = {"cpu": round(machine, 1), "cores": os.cpu_count(), "others": round(max(machine - ours, 0), 1)}
         return out
 
     def _windows(self, name: str, window_s: float) -> list[tuple[float, float, float]]:

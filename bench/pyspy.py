@@ -35,8 +35,10 @@ def find() -> Optional[str]:
 class Recording:
     """`py-spy record` of `pid` into `out` (collapsed stacks, one root per thread) until stop()."""
 
-    def __init__(self, exe: str, pid: int, out: Path, rate: int = 200, native: bool = False):
+    def __init__(self, exe: str, pid: int, out: Path, rate: Optional[int] = None, native: bool = False):
         self.out = out
+        # a frontend at a few % of a core gives few samples: sample often, unless each sample pauses it
+        rate = rate or (100 if native else 500)
         # NOTE: native frames (C extensions, the event loop's own C code) need py-spy to pause the process
         # for each sample: the profile then costs the frames it measures some time; Python frames do not
         how = ["--native"] if native else ["--nonblocking"]

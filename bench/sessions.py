@@ -327,7 +327,8 @@ def _print_processes(r: dict) -> None:
                "of a core)" if first["saturated"] else
                f"no process saturated (the busiest: {first['process']}, its busiest thread {first['thread_cpu']:.0f}%)")
     print(f"        CPU, % of one core over the run: " + "; ".join(parts) + "\n"
-          f"        machine {machine['cpu']:.0f}% of {100 * machine['cores']}%; {verdict}; "
+          f"        machine {machine['cpu']:.0f}% of {100 * machine['cores']}% ({machine['others']:.0f}% of it not this "
+          f"bench's); {verdict}; "
           f"the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent "
           f"({r['frontend_loop_us_per_frame']:.0f} us in its busiest thread)\n"
           f"        {first['process']} % of one core, second by second: "
