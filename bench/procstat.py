@@ -127,7 +127,22 @@ class CpuSampler(_Beat):
         machine = 100 * (busy1 - busy0) / wall_ns
         ours = sum(v["cpu"] for v in out.values())
         # NOTE: anything else running on the machine meanwhile skews every figure: say how much there was
-        out["machine"] = {"cpu": round(machine, 1), "cores": os.cpu_count(), "others": round(max(machine - ours, 0), 1)}
+        out["machine"] = {"cpu": round(machine, 1), "cores": os.cpu_count(), "others": round(max(machine - ours, 0), 1),
+                          "series": [round(w) for w in self._machine_windows(window_s)]}
+        return out
+
+    def _machine_windows(self, window_s: float) -> list[float]:
+        """% of one core the whole machine was busy, per `window_s` (as `_windows` cuts them)."""
+        out, i = [], 0
+        while i < len(self.samples) - 1:
+            j = i
+            while j < len(self.samples) - 1 and self.samples[j][0] - self.samples[i][0] < window_s - 1e-3:
+                j += 1
+            (ta, _, a), (tb, _, b) = self.samples[i], self.samples[j]
+            if tb <= ta:
+                break
+            out.append(100 * (b - a) / ((tb - ta) * 1e9))
+            i = j
         return out
 
     def _windows(self, name: str, window_s: float) -> list[tuple[float, float, float]]:

@@ -331,8 +331,9 @@ def _print_processes(r: dict) -> None:
           f"bench's); {verdict}; "
           f"the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent "
           f"({r['frontend_loop_us_per_frame']:.0f} us in its busiest thread)\n"
-          f"        {first['process']} % of one core, second by second: "
-          + " ".join(map(str, procs[first['process']]['series'])), flush=True)
+          f"        second by second, % of one core: {first['process']} "
+          + " ".join(map(str, procs[first['process']]['series']))
+          + f"; the machine (of {100 * machine['cores']}%) " + " ".join(map(str, machine["series"])), flush=True)
 
 
 def _print_queues(q: dict) -> None:
