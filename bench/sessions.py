@@ -334,6 +334,9 @@ def _print_processes(r: dict) -> None:
           f"        second by second, % of one core: {first['process']} "
           + " ".join(map(str, procs[first['process']]['series']))
           + f"; the machine (of {100 * machine['cores']}%) " + " ".join(map(str, machine["series"])), flush=True)
+    if machine["others"] >= 10:   # (py-spy itself, with --profile, takes about 20% at 500 Hz)
+        print(f"        NOTE: {machine['others']:.0f}% of a core went to other programs during this level: the "
+              "figures above are those of a shared machine", flush=True)
 
 
 def _print_queues(q: dict) -> None:
