@@ -23,7 +23,7 @@ from config.geometry import crop_328
 from cpu_actor.composite import encode_image, mouth_to_uint8, paste
 from cpu_actor.worker import run_cpu_process
 from shm.endpoints import Endpoints, RunSpec, make_socket
-from shm.messages import CompositeDone, CompositeTask, Ready, ReleaseImages, decode, encode as encode_msg
+from shm.messages import CompositeDone, CompositeTask, Ready, ReleaseImages, pack, unpack
 from shm.ring import RingSpec, SlotRing
 from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
@@ -68,7 +68,7 @@ class CompositingProcess:
         self.to_cpu = make_socket(self.ctx, zmq.PUSH, connect=endpoints.cpu[0])
         self.proc = mp.get_context("spawn").Process(target=run_cpu_process, args=(config, run, 0))
         self.proc.start()
-        if not supervisor.poll(60_000) or not isinstance(decode(supervisor.recv()), Ready):
+        if not supervisor.poll(60_000) or not isinstance(unpack(supervisor.recv()), Ready):
             self.close()
             raise RuntimeError("the compositing process did not start")
         slot = self.ring.try_acquire(1)
@@ -79,16 +79,16 @@ class CompositingProcess:
     def _batch(self, fmt: str) -> float:
         self._n += 1
         indices = [(self._n * BATCH + i) % min(self.assets.n_frames, 8) for i in range(BATCH)]
-        self.to_cpu.send(encode_msg(CompositeTask(req=self._n, model=self.model_id, worker=0, mouths=self.ref,
+        self.to_cpu.send(pack(CompositeTask(req=self._n, model=self.model_id, worker=0, mouths=self.ref,
                                                   start=0, end=BATCH, frames=indices, format=fmt, quality=75,
                                                   deadline=0.0)))
         if not self.inbox.poll(30_000):
             raise RuntimeError("the compositing process did not answer")
-        header = decode(self.inbox.recv_multipart(copy=False)[0].buffer)
+        header = unpack(self.inbox.recv_multipart(copy=False)[0].buffer)
         assert isinstance(header, CompositeDone) and header.ok, header
         if header.images is not None:  # raw: the frames are in our image ring; hand the slot back
             self.images.read(header.images)
-            self.to_cpu.send(encode_msg(ReleaseImages(req=header.req)))
+            self.to_cpu.send(pack(ReleaseImages(req=header.req)))
         return header.composite_ms
 
     def measure(self, fmt: str, frames: int) -> tuple[float, float]:

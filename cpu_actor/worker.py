@@ -32,8 +32,7 @@ from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, CompositeTask, EncodeFrames, EncodeLoop, ReleaseImages,
-                          RenderIdle, ResetRequests, decode)
-from shm.messages import encode as encode_msg
+                          RenderIdle, ResetRequests, pack, unpack)
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
@@ -107,7 +106,7 @@ class Compositor:
         """Take every message waiting, so that the most urgent task is chosen among all of them."""
         while True:
             try:
-                self._dispatch(decode(self.tasks.recv(zmq.NOBLOCK)))
+                self._dispatch(unpack(self.tasks.recv(zmq.NOBLOCK)))
             except zmq.Again:
                 return
 
@@ -127,7 +126,7 @@ class Compositor:
     def _wait_for_release(self, remaining_s: float) -> None:
         """Every image slot is out with the frontend: keep taking messages until one comes back."""
         if self.tasks.poll(int(remaining_s * 1000) + 1):
-            self._dispatch(decode(self.tasks.recv()))
+            self._dispatch(unpack(self.tasks.recv()))
 
     def _preload_one(self) -> None:
         """Decode one preload frame between tasks, so preloading delays a request by one decode at most."""
@@ -149,7 +148,7 @@ class Compositor:
     def _reply(self, task: CompositeTask, frames=(), **fields) -> None:
         header = CompositeDone(req=task.req, compositor=self.index, start=task.start, end=task.end,
                                ok=not fields.get("code"), **fields)
-        self.to_frontend.send_multipart([encode_msg(header), *frames], copy=False)
+        self.to_frontend.send_multipart([pack(header), *frames], copy=False)
 
     def _composite(self, task: CompositeTask) -> None:
         t0 = time.perf_counter()
@@ -233,17 +232,17 @@ class Compositor:
                 encoded.append(encode_image(background, task.format, task.quality))
         except (AssetError, StoreError) as err:
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST, message=str(err))
-            self.to_frontend.send(encode_msg(reply))
+            self.to_frontend.send(pack(reply))
             return
         except Exception as err:  # never fatal: this request fails, the process serves on
             log.exception("encoding idle frames of model %s failed", task.model)
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.INTERNAL,
                                             message=f"{type(err).__name__}: {err}")
-            self.to_frontend.send(encode_msg(reply))
+            self.to_frontend.send(pack(reply))
             return
         reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                                         height=assets.height, hits=hits, misses=len(task.frames) - hits)
-        self.to_frontend.send_multipart([encode_msg(reply), *encoded], copy=False)
+        self.to_frontend.send_multipart([pack(reply), *encoded], copy=False)
 
     def _i420(self, assets, frame: int, scratch: bool = False):
         """(I420 background copy, crop copy, hit): converted once per frame, kept in the shared store.
@@ -267,7 +266,7 @@ class Compositor:
         t0 = time.perf_counter()
         reply = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(task.items), ok=True)
         if time.monotonic() > task.deadline:   # given up already: encoding it would only delay the next
-            self.to_frontend.send(encode_msg(msgspec.structs.replace(
+            self.to_frontend.send(pack(msgspec.structs.replace(
                 reply, ok=False, code=ErrorCode.TIMEOUT, message="the deadline passed before encoding started")))
             return
         try:
@@ -287,11 +286,11 @@ class Compositor:
                 log.exception("encoding a frame of session %s failed", task.session)
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST if bad else ErrorCode.INTERNAL,
                                             message=f"encoding H.264 for model {task.model}: {err}")
-            self.to_frontend.send(encode_msg(reply))
+            self.to_frontend.send(pack(reply))
             return
         reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                                         height=assets.height)
-        self.to_frontend.send_multipart([encode_msg(reply), *units], copy=False)
+        self.to_frontend.send_multipart([pack(reply), *units], copy=False)
 
     def _loop_step(self) -> None:
         """Encode the next frame of the oldest idle-loop task; reply when it is whole."""
@@ -308,7 +307,7 @@ class Compositor:
             self.loops.popleft()
             if not isinstance(err, (AssetError, StoreError, ValueError)):
                 log.exception("encoding the idle loop of model %s failed", task.model)
-            self.to_frontend.send(encode_msg(CompositeDone(
+            self.to_frontend.send(pack(CompositeDone(
                 req=task.req, compositor=self.index, start=0, end=len(task.frames), ok=False,
                 code=ErrorCode.BAD_REQUEST, message=f"encoding the idle loop of model {task.model}: {err}")))
             return
@@ -316,7 +315,7 @@ class Compositor:
             self.loops.popleft()
             done = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(units), ok=True,
                                  width=assets.width, height=assets.height)
-            self.to_frontend.send_multipart([encode_msg(done), *units], copy=False)
+            self.to_frontend.send_multipart([pack(done), *units], copy=False)
 
     def _targets(self, task: CompositeTask, height: int, width: int):
         """Raw format: (writable frames in an image slot, their handle); else (None, None)."""

@@ -32,8 +32,8 @@ from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
-                          ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, decode,
-                          encode)
+                          ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, unpack,
+                          pack)
 from shm.ring import RingError, SlotRing
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class RemoteWorker:
                                     type(err).__name__, err)
             if events.get(self.tasks):
                 while self.tasks.poll(0):
-                    self._from_frontend(decode(self.tasks.recv()))
+                    self._from_frontend(unpack(self.tasks.recv()))
             self._heartbeat()
 
     def _send_host(self, frames: list) -> bool:
@@ -158,7 +158,7 @@ class RemoteWorker:
                 self._report(ProcState.VACANT)
             return
         if now >= self._next_ping:
-            self._send_host([encode(Ping(sent=now))])
+            self._send_host([pack(Ping(sent=now))])
             self._next_ping = now + self.config.bridge.heartbeat_s
         gone = (ProcState.UNREACHABLE, ProcState.STOPPED)
         if self.state not in gone and now - self._last_pong > self.config.bridge.dead_after_s:
@@ -195,8 +195,8 @@ class RemoteWorker:
     def _report(self, state: ProcState) -> None:
         self._next_report = time.monotonic() + 1.0
         device = self.device if self.watcher is None else f"{self.device}={self.endpoint or 'vacant'}"
-        self.to_frontend.send(encode(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
-                                                  device=device)))
+        self.to_frontend.send(pack(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
+                                                device=device)))
 
     def _from_frontend(self, msg) -> None:
         if isinstance(msg, InferTask):
@@ -210,7 +210,7 @@ class RemoteWorker:
                 self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
                 return
             budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
-            frames = [encode(RemoteInfer(
+            frames = [pack(RemoteInfer(
                 req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
                 visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
                 version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
@@ -225,21 +225,21 @@ class RemoteWorker:
         elif isinstance(msg, ReleaseTask):
             self.outputs.release_request(msg.req)
         elif isinstance(msg, StatsQuery):
-            self._send_host([encode(msg)])  # the host answers for all its workers at once
+            self._send_host([pack(msg)])  # the host answers for all its workers at once
         elif isinstance(msg, (LoadModel, UnloadModel)):
-            if not self._send_host([encode(msg)]):
-                self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
-                                                      code=ErrorCode.UNAVAILABLE,
-                                                      message=f"GPU host {self.endpoint} is unreachable")))
+            if not self._send_host([pack(msg)]):
+                self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
+                                                    code=ErrorCode.UNAVAILABLE,
+                                                    message=f"GPU host {self.endpoint} is unreachable")))
         elif isinstance(msg, ResetRequests):
             self.pending.clear()
             self.outputs.become_writer()
 
     def _done(self, req: int, code: ErrorCode, message: str) -> None:
-        self.to_frontend.send(encode(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
+        self.to_frontend.send(pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
 
     def _from_host(self, frames: list) -> None:
-        msg = decode(frames[0].buffer)
+        msg = unpack(frames[0].buffer)
         if not isinstance(msg, FROM_HOST):
             raise ValueError(f"a {type(msg).__name__} is not a message a GPU host sends")
         if isinstance(msg, Pong):
@@ -260,16 +260,16 @@ class RemoteWorker:
         elif isinstance(msg, InferDone):
             self._infer_done(msg, frames[1:])
         elif isinstance(msg, (LoadDone, StatsReport)):
-            self.to_frontend.send(encode(msgspec.structs.replace(msg, worker=self.index)))
+            self.to_frontend.send(pack(msgspec.structs.replace(msg, worker=self.index)))
         elif isinstance(msg, Goodbye):   # after its last replies: the host closes once it has this answer
-            self._send_host([encode(Goodbye())])
+            self._send_host([pack(Goodbye())])
             self._host_stopping = True
             if self.state is not ProcState.STOPPED:
                 self._host_stopped()
 
     def _sync_models(self, loaded: set[str]) -> None:
         for model, event in [(m, "loaded") for m in loaded - self.loaded] + [(m, "unloaded") for m in self.loaded - loaded]:
-            self.to_frontend.send(encode(ModelEvent(worker=self.index, model=model, event=event)))
+            self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event)))
         self.loaded = loaded
 
     def _infer_done(self, msg: InferDone, data: list) -> None:
@@ -298,14 +298,14 @@ class RemoteWorker:
         else:
             out[...] = mouths.reshape(shape)
         ref = self.outputs.ref(slot, 0, "float32", shape)
-        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
-                                               queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
-                                               input_ms=msg.input_ms)))
+        self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
+                                             queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
+                                             input_ms=msg.input_ms)))
         hand_off(self.to_cpu, task, self.index, ref)
 
     def _wait_for_release(self, remaining_s: float) -> None:
         if self.tasks.poll(int(remaining_s * 1000) + 1):
-            self._from_frontend(decode(self.tasks.recv()))
+            self._from_frontend(unpack(self.tasks.recv()))
 
 
 def run_remote_worker_process(config: Config, run: RunSpec, index: int) -> None:

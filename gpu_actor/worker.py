@@ -29,7 +29,7 @@ from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
-                          ResetRequests, StatsQuery, StatsReport, UnloadModel, decode, encode)
+                          ResetRequests, StatsQuery, StatsReport, UnloadModel, pack, unpack)
 from shm.ring import RingError, SlotRing, StaleHandle, TensorRef
 from shm.store import BackgroundStore, StoreError
 
@@ -88,8 +88,8 @@ class InferenceWorker:
             self._wake_tx.send(b"")
 
     def _model_event(self, model: str, event: str, load_ms: float, nbytes: int) -> None:
-        self.to_frontend.send(encode(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
-                                                nbytes=nbytes)))
+        self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
+                                              nbytes=nbytes)))
 
     def stop(self) -> None:
         self._stopping = True
@@ -123,7 +123,7 @@ class InferenceWorker:
                 self._wake_rx.recv()
         self._finish_loads()
         while self.tasks.poll(0):
-            self._handle(decode(self.tasks.recv()))
+            self._handle(unpack(self.tasks.recv()))
 
     def _runnable(self) -> Optional[InferTask]:
         return next((t for t in self.queue if t.model in self.registry.loaded), None)
@@ -141,11 +141,11 @@ class InferenceWorker:
             self._load_op(msg)
         elif isinstance(msg, UnloadModel):
             ok = self.registry.unload(msg.model)
-            self.to_frontend.send(encode(LoadDone(
+            self.to_frontend.send(pack(LoadDone(
                 req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
                 message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
         elif isinstance(msg, StatsQuery):
-            self.to_frontend.send(encode(StatsReport(
+            self.to_frontend.send(pack(StatsReport(
                 req=msg.req, worker=self.index, device=self.device,
                 models={m: s.as_dict() for m, s in self.registry.stats.items()},
                 loaded=sorted(self.registry.loaded), queue=len(self.queue))))
@@ -159,8 +159,8 @@ class InferenceWorker:
         if msg.pin > 0:
             self.registry.pins[msg.model] += 1
         if msg.model in self.registry.loaded:
-            self.to_frontend.send(encode(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
-                                                  load_ms=self.registry.stat(msg.model).load_ms)))
+            self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
+                                                load_ms=self.registry.stat(msg.model).load_ms)))
             return
         self.pending_loads.setdefault(msg.model, []).append(msg.req)
         if not self.registry.start_load(msg.model):
@@ -173,8 +173,8 @@ class InferenceWorker:
                 self._fail_model(result.model, result.code, result.error)
                 continue
             for req in self.pending_loads.pop(result.model, []):
-                self.to_frontend.send(encode(LoadDone(req=req, worker=self.index, model=result.model, ok=True,
-                                                      load_ms=result.load_ms)))
+                self.to_frontend.send(pack(LoadDone(req=req, worker=self.index, model=result.model, ok=True,
+                                                    load_ms=result.load_ms)))
 
     def _fail_model(self, model: str, code: str, message: str) -> None:
         """Answer every task and load request waiting on `model`, which cannot be loaded."""
@@ -182,8 +182,8 @@ class InferenceWorker:
             self.queue.remove(task)
             self._done(task, code, message)
         for req in self.pending_loads.pop(model, []):
-            self.to_frontend.send(encode(LoadDone(req=req, worker=self.index, model=model, ok=False, code=code,
-                                                  message=message)))
+            self.to_frontend.send(pack(LoadDone(req=req, worker=self.index, model=model, ok=False, code=code,
+                                                message=message)))
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
@@ -195,8 +195,8 @@ class InferenceWorker:
         self.registry.busy[task.model] -= 1
         if code:
             self.registry.stat(task.model).errors += 1
-        self.to_frontend.send(encode(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
-                                               message=message, **fields)))
+        self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
+                                             message=message, **fields)))
 
     # -- one batch ---------------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class InferenceWorker:
     def _wait_for_release(self, remaining_s: float) -> None:
         """While every output slot is taken, keep handling messages: a ReleaseTask frees one."""
         if self.tasks.poll(int(remaining_s * 1000) + 1):
-            self._handle(decode(self.tasks.recv()))
+            self._handle(unpack(self.tasks.recv()))
 
     def _audio_input(self, task: InferTask) -> np.ndarray:
         """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
@@ -336,7 +336,7 @@ class InferenceWorker:
 def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:
     """Send each chunk of a finished batch to the compositing process the frontend planned for it."""
     for chunk in task.plan:
-        to_cpu[chunk.compositor].send(encode(CompositeTask(
+        to_cpu[chunk.compositor].send(pack(CompositeTask(
             req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
             frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
             deadline=task.deadline, version=task.version, due=task.due)))

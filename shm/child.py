@@ -26,7 +26,7 @@ import zmq
 
 from shm.endpoints import RunSpec, make_socket
 from shm.codes import ProcState
-from shm.messages import Fatal, Ready, encode
+from shm.messages import Fatal, Ready, pack
 
 
 # The exit status of a child that died of an error no restart can cure (os.EX_CONFIG, sysexits.h): the
@@ -142,8 +142,8 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
     try:
         actor = build(ctx)
         signal.signal(signal.SIGTERM, lambda *_: actor.stop())
-        supervisor.send(encode(Ready(role=role, index=index, pid=os.getpid(), device=actor.device,
-                                     state=getattr(actor, "ready_state", ProcState.READY))))
+        supervisor.send(pack(Ready(role=role, index=index, pid=os.getpid(), device=actor.device,
+                                   state=getattr(actor, "ready_state", ProcState.READY))))
         actor.run()
     except BaseException as err:
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):
@@ -154,7 +154,7 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
             else:
                 message = "".join(traceback.format_exception_only(type(err), err)).strip()
                 logging.getLogger(role).error("%s", traceback.format_exc())
-            supervisor.send(encode(Fatal(role=role, index=index, pid=os.getpid(), message=message)))
+            supervisor.send(pack(Fatal(role=role, index=index, pid=os.getpid(), message=message)))
             supervisor.close(linger=1000)
             report_ctx.term()   # NOTE: returns once the report has left (or after the linger)
             # NOTE: exit now: sockets a half-built actor opened (e.g. through an asyncio shadow context)

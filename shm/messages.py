@@ -307,9 +307,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(message: _Msg) -> bytes:
+def pack(message: _Msg) -> bytes:
+    """An internal message as msgpack bytes (the client-facing wire is JSON: lipsync_client.protocol.encode)."""
     return _encoder.encode(message)
 
 
-def decode(data) -> Message:
+def unpack(data) -> Message:
     return _decoder.decode(data)

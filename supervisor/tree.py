@@ -34,7 +34,7 @@ from config.geometry import MOUTH_BYTES, input_slot_bytes
 from shm.child import EXIT_PERMANENT
 from shm.codes import ProcState
 from shm.endpoints import Endpoints, RunSpec, make_socket
-from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, decode, encode
+from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, pack, unpack
 from shm.ring import RingSpec, SlotRing
 from shm.segment import run_prefix, sweep_dead_runs
 from shm.store import BackgroundStore, store_spec
@@ -220,8 +220,8 @@ class Supervisor:
         pid = child.process.pid if child.process is not None else None
         device = self.run.devices[child.index] if child.role == "gpu" else "cpu"
         state = child.ready_state if child.state is ProcState.READY else child.state
-        self.to_frontend.send(encode(ProcessEvent(role=child.role, index=child.index, pid=pid, state=state,
-                                                  restarts=child.restarts, device=device)))
+        self.to_frontend.send(pack(ProcessEvent(role=child.role, index=child.index, pid=pid, state=state,
+                                                restarts=child.restarts, device=device)))
 
     def start(self) -> None:
         """Spawn everything and wait for every READY; StartError names who failed and why."""
@@ -260,7 +260,7 @@ class Supervisor:
                 poller.register(child.process.sentinel, zmq.POLLIN)
         poller.poll(int(timeout_s * 1000))
         while self.inbox.poll(0):
-            self._on_message(decode(self.inbox.recv()))
+            self._on_message(unpack(self.inbox.recv()))
         for child in self.children:
             live = child.state in (ProcState.STARTING, ProcState.READY)
             if child.process is not None and live and not child.process.is_alive():
@@ -280,7 +280,7 @@ class Supervisor:
                      f", {msg.state.value}")
             if child.role in ("frontend", "bridge") and child.restarts:
                 for sock in self.to_gpu + self.to_cpu:
-                    sock.send(encode(ResetRequests()))
+                    sock.send(pack(ResetRequests()))
                 for other in self.children:
                     self._event(other)
             self._event(child)
@@ -294,7 +294,7 @@ class Supervisor:
         before the report is read: wait a moment for it, for the message it carries."""
         deadline = time.monotonic() + wait_s
         while not child.last_error and self.inbox.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
-            self._on_message(decode(self.inbox.recv()))
+            self._on_message(unpack(self.inbox.recv()))
 
     def _on_death(self, child: Child, starting: bool) -> None:
         child.process.join(1)

@@ -215,7 +215,7 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
     import msgspec
     import zmq
 
-    from shm.messages import InferDone, Ping, Pong, RemoteInfer, encode
+    from shm.messages import InferDone, Ping, Pong, RemoteInfer, pack
 
     port = free_port()
     with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):
@@ -230,19 +230,19 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
         def infer(**kw) -> bytes:
             fields = dict(req=1, model="a", batch=1, audio_shape=(32, 16, 16), visual=False, frames=[0],
                           composite=True, budget_ms=5000.0)
-            return encode(RemoteInfer(**{**fields, **kw}))
+            return pack(RemoteInfer(**{**fields, **kw}))
 
         try:
             deadline = time.monotonic() + 30
             while True:   # the host answers once one of its workers is ready (as an edge waits)
-                sock.send_multipart([encode(Ping(sent=0.0))])
+                sock.send_multipart([pack(Ping(sent=0.0))])
                 if sock.poll(1000):
                     pong = msgspec.msgpack.decode(sock.recv_multipart()[0], type=Pong)
                     if pong.workers_ready:
                         break
                 assert time.monotonic() < deadline, "the GPU host never had a ready worker"
-            for frames in ([b"\xff\x00garbage"], [msgspec.msgpack.encode(["Ping"])], [encode(Pong(sent=0, loaded=[]))],
-                           [encode(InferDone(req=3, worker=0, ok=True))], []):
+            for frames in ([b"\xff\x00garbage"], [msgspec.msgpack.encode(["Ping"])], [pack(Pong(sent=0, loaded=[]))],
+                           [pack(InferDone(req=3, worker=0, ok=True))], []):
                 sock.send_multipart(frames if frames else [b""])
             refused = {2: infer(req=2, batch=99, frames=[0] * 99), 4: infer(req=4, audio_shape=(1 << 20,)),
                        5: infer(req=5), 6: infer(req=6, frames=[10_000])}

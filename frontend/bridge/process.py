@@ -42,7 +42,7 @@ from shm.child import CannotServe, bind_endpoint, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer,
-                          StatsQuery, StatsReport, UnloadModel, decode, encode)
+                          StatsQuery, StatsReport, UnloadModel, pack, unpack)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class BridgeServer(Shell):
                     self._from_edge(self.edges.recv_multipart(copy=False))
             if events.get(self.pull):
                 while self.pull.poll(0):
-                    self._from_worker(decode(self.pull.recv_multipart(copy=False)[0].buffer))
+                    self._from_worker(unpack(self.pull.recv_multipart(copy=False)[0].buffer))
             now = time.monotonic()
             self.apply(self.engine.tick(now))
             if self._pins and now >= self._next_pin_check:   # once a second, not once per message
@@ -166,14 +166,14 @@ class BridgeServer(Shell):
     # -- edges ----------------------------------------------------------------------------------
 
     def _send(self, identity: bytes, msg, data=()) -> None:
-        self.edges.send_multipart([identity, encode(msg), *data], copy=True)   # the one copy into the socket
+        self.edges.send_multipart([identity, pack(msg), *data], copy=True)   # the one copy into the socket
 
     def _from_edge(self, frames: list) -> None:
         identity = frames[0].bytes
         try:
             if len(frames) < 2:
                 raise BridgeError("no message after the routing id")
-            msg = decode(frames[1].buffer)
+            msg = unpack(frames[1].buffer)
             if not isinstance(msg, FROM_EDGE):
                 raise BridgeError(f"a {type(msg).__name__} is not a message an edge sends")
         except (BridgeError, msgspec.DecodeError, msgspec.ValidationError) as err:

@@ -22,7 +22,7 @@ from frontend.core.scheduler import (Dispatch, Done, Fail, FreeImages, FreeInput
                                      Scheduler, SendWorker)
 from frontend.core.slots import write_inputs
 from shm.codes import ErrorCode
-from shm.messages import InferTask, ReleaseTask, encode
+from shm.messages import InferTask, ReleaseTask, pack
 from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,11 @@ class Shell:
         if isinstance(action, Dispatch):
             self.dispatch(action)
         elif isinstance(action, SendWorker):
-            self.to_gpu[action.worker].send(encode(action.message))
+            self.to_gpu[action.worker].send(pack(action.message))
         elif isinstance(action, FreeInput):
             self.input_rings[action.worker].release_request(action.req)
         elif isinstance(action, ReleaseOutput):
-            self.to_gpu[action.worker].send(encode(ReleaseTask(req=action.req)))
+            self.to_gpu[action.worker].send(pack(ReleaseTask(req=action.req)))
         elif isinstance(action, ResetInputs):
             self.input_rings[action.worker].become_writer()
         elif isinstance(action, FreeImages):
@@ -83,7 +83,7 @@ class Shell:
         visual, audio, shape = inputs.arrays(r.batch)
         visual_ref, audio_ref = write_inputs(self.input_rings[action.worker], r.req, visual, audio, shape)
         inputs.visual = inputs.audio = None   # in the slot now: the received buffers can go
-        self.to_gpu[action.worker].send(encode(InferTask(
+        self.to_gpu[action.worker].send(pack(InferTask(
             req=r.req, model=inputs.model, batch=r.batch, audio=audio_ref, visual=visual_ref, frames=inputs.frames,
             plan=action.plan, format=inputs.format or "jpeg", quality=inputs.quality or 75, deadline=r.deadline,
             enqueued=inputs.enqueued or time.monotonic(), version=inputs.version, rows=inputs.rows,

@@ -43,7 +43,7 @@ from shm.child import bind_endpoint, child_main, listen_tcp
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, StatsReport,
-                          decode, encode)
+                          pack, unpack)
 from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
@@ -258,7 +258,7 @@ class Frontend(Shell):
         while True:
             frames = await self.pull.recv_multipart(copy=False)
             try:
-                msg = decode(frames[0].buffer)
+                msg = unpack(frames[0].buffer)
                 handle = self._handlers.get(type(msg))
                 if handle is not None:
                     handle(msg, frames[1:])
@@ -282,7 +282,7 @@ class Frontend(Shell):
         return self.engine.compositors
 
     def close_encoder(self, compositor: int, session: str) -> None:
-        self.to_cpu[compositor].send(encode(CloseEncoder(session=session)))
+        self.to_cpu[compositor].send(pack(CloseEncoder(session=session)))
 
     def send(self, reply_to: ReplyTo, header: bytes, data: list = (), req: int = 0, image_slots=(),
              also: Optional[list] = None) -> bool:
@@ -297,7 +297,7 @@ class Frontend(Shell):
 
     def render(self, action: Render) -> None:
         r = action.request
-        self.to_cpu[action.compositor].send(encode(r.work.message(r)))
+        self.to_cpu[action.compositor].send(pack(r.work.message(r)))
 
     def _on_deadline(self) -> None:
         self.apply(self.engine.tick(time.monotonic()))

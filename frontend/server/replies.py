@@ -19,7 +19,7 @@ from frontend.core.backlog import Backlogs
 from frontend.server.calls import ReplyTo
 from lipsync_client import protocol as P
 from shm.codes import ErrorCode
-from shm.messages import ReleaseImages, encode
+from shm.messages import ReleaseImages, pack
 
 log = logging.getLogger(__name__)
 TRACKER_POLL_S = 0.002
@@ -78,7 +78,7 @@ class Replies:
 
     def free_images(self, req: int, compositors) -> None:
         for j in compositors:
-            self.to_cpu[j].send(encode(ReleaseImages(req=req)))
+            self.to_cpu[j].send(pack(ReleaseImages(req=req)))
 
     def _recheck_reads(self) -> None:
         self._recheck_due = False
