@@ -397,3 +397,19 @@ def test_past_max_sessions_session_open_is_busy():
         _open(live, Peer("c"))
     assert err.value.code is ErrorCode.BUSY and "sessions.max_sessions" in err.value.message
     assert err.value.retry_after_s > 0
+
+
+def test_h264_sessions_opened_together_are_spread_over_the_compositors():
+    """20 H.264 session_opens arrive before any is answered: each goes to the compositor with the fewest
+    sessions, counting those still opening (it used to count only open ones: all 20 on compositor 0)."""
+    live, host, clock = _live()
+    peers = [Peer(f"h{i}") for i in range(20)]
+    for peer in peers:
+        assert live.handle(_call("session_open", peer, model="a", format="h264"), []) is None
+    placed = [o.session.h264.compositor for o in live._opening.values()]
+    assert sorted(placed.count(c) for c in (0, 1)) == [10, 10], placed
+    token = next(iter(live._opening))
+    live._open_failed(token, ErrorCode.TIMEOUT, "test")   # an open that fails frees its place
+    assert live.handle(_call("session_open", Peer("late"), model="a", format="h264"), []) is None
+    placed = [o.session.h264.compositor for o in live._opening.values()]
+    assert sorted(placed.count(c) for c in (0, 1)) == [10, 10], placed

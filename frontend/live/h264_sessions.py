@@ -81,6 +81,7 @@ class H264Sessions:
         self._send, self._arm = send, arm
         self._loop_ready, self._loop_failed = loop_ready, loop_failed   # sessions being opened wait for the loop
         self._skipped = metrics.session_frames.labels("skipped")
+        self._placed: dict[str, int] = {}   # each H.264 session's compositor, from open (not from ready) to close
 
     def settings(self, session: LiveSession) -> H264Settings:
         return H264Settings(fps=session.fps, bitrate=self.cfg.bitrate, preset=self.cfg.preset, gop=self.cfg.gop)
@@ -90,23 +91,26 @@ class H264Sessions:
     def open(self, session: LiveSession) -> None:
         spec = session.call.spec
         period = spec.frames * (2 if spec.order == "mirror" else 1)
-        session.h264 = H264Stream(self._compositor(), session.start_frame, period, self.cfg.loop_chunk)
+        compositor = self._placed[session.token] = self._compositor()
+        session.h264 = H264Stream(compositor, session.start_frame, period, self.cfg.loop_chunk)
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
         # The latency budget holds from audio to frame: speech is decided that much before due.
         session.lead = max(1, session.lead - ENCODE_AHEAD_FRAMES)
         self.prefetch(session)
 
     def _compositor(self, avoid: Optional[int] = None) -> int:
-        """The ready compositor with the fewest H.264 sessions."""
+        """The ready compositor with the fewest H.264 sessions, those still opening included (sessions
+        that open together would otherwise all count none placed, and all go to the first)."""
         states = self.host.compositors()
         counts = [0] * len(states)
-        for s in self.table.sessions():
-            if s.h264 is not None and s.h264.compositor < len(counts):
-                counts[s.h264.compositor] += 1
+        for compositor in self._placed.values():
+            if compositor < len(counts):
+                counts[compositor] += 1
         ready = [i for i, c in enumerate(states) if c.ready and i != avoid] or list(range(len(states)))
         return min(ready, key=lambda i: (counts[i], i))
 
     def close(self, session: LiveSession) -> None:
+        self._placed.pop(session.token, None)
         self.host.close_encoder(session.h264.compositor, session.token)
 
     def keyframe(self, session: LiveSession) -> int:
@@ -164,7 +168,7 @@ class H264Sessions:
     def _encode(self, session: LiveSession, items: list[EncodeItem]) -> None:
         stream = session.h264
         if not self.host.compositors()[stream.compositor].ready:   # it died: its encoder went with it
-            stream.compositor = self._compositor(avoid=stream.compositor)
+            stream.compositor = self._placed[session.token] = self._compositor(avoid=stream.compositor)
             if not items[0].idr:
                 items[0].idr = True
                 stream.units[items[0].index].keyframe = True
