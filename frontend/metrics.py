@@ -21,6 +21,10 @@ class Metrics:
                                  ["stage"], buckets=_MS, registry=r)
         self.queue_depth = Gauge("lipsync_queue_depth", "Requests queued or in flight per inference worker",
                                  ["worker"], registry=r)
+        self.compositor_depth = Gauge("lipsync_compositor_depth", "Requests assigned to each compositing process "
+                                      "and not ended", ["compositor"], registry=r)
+        self.h264_sessions = Gauge("lipsync_h264_sessions", "H.264 sessions (opening or open) per compositing "
+                                   "process, which holds their encoders", ["compositor"], registry=r)
         self.models_loaded = Gauge("lipsync_models_loaded", "Models loaded per inference worker", ["worker"],
                                    registry=r)
         self.model_events = Counter("lipsync_model_events", "Model loads, unloads, evictions and failures",

@@ -62,19 +62,19 @@ def test_a_process_that_may_use_many_cores_is_held_to_the_total_only():
 
 def test_a_burst_on_an_idle_host_is_let_in_a_few_per_window_until_measured():
     cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
-    host = Host(cap, {"frontend": 0.07}, {"frontend": 0.0})
+    host = Host(cap, {"frontend": 0.035}, {"frontend": 0.0})
     host.run(0, 2.0)
     ramp = 2 * RAMP   # per core
-    admitted = [cap.refuse(host.now, n) is None for n in range(20)]
+    admitted = [cap.refuse(host.now, n) is None for n in range(40)]
     assert sum(admitted) == ramp
     busy = cap.refuse(host.now, ramp)
     assert "measured" in busy.message and busy.retry_after_s == cap.window_s
-    host.run(ramp, 2.0)          # now their cost is known: 7 % each
-    # the burst's rest fits by the measured cost, all at once: 0.07 n <= 0.9 (the frontend's core)
+    host.run(ramp, 2.0)          # now their cost is known: 3.5 % each
+    # the burst's rest fits by the measured cost, all at once: 0.035 n <= 0.9 (the frontend's core)
     extra = 0
     while cap.refuse(host.now, ramp + extra) is None:
         extra += 1
-    assert ramp + extra == 12
+    assert ramp + extra == 25
 
 
 def test_sessions_that_close_make_room_at_once():

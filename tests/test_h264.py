@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import av
 import cv2
@@ -13,7 +14,8 @@ import pytest
 
 from lipsync_client import ServerError
 from lipsync_client import Session
-from tests.helpers import base_config, decode_image, frames_until, make_video_avatar, mirror_index, run_server
+from tests.helpers import (base_config, decode_image, frames_until, free_port, make_video_avatar, mirror_index,
+                           run_server)
 
 pytestmark = pytest.mark.slow
 N_FRAMES = 5
@@ -150,3 +152,37 @@ def test_a_killed_compositor_resumes_with_an_idr(models, tmp_path):
     pictures = decode([au for _, au in after[resumed:]])
     assert len(pictures) == len(after) - resumed >= 25, (len(pictures), len(after), resumed)
     assert stats["frames_encoded"] >= stats["frames_idle"] - stats["dropped"] - 2
+
+
+def test_h264_sessions_opened_at_once_share_the_compositors(models, tmp_path):
+    """Six H.264 sessions opened at once: the server's lipsync_h264_sessions gauge shows them three and
+    three on its two compositing processes (all six went to the first before), and the depth gauges are
+    set while the server runs, not only on process events."""
+    import asyncio
+    import urllib.request
+
+    from lipsync_client import AsyncSession
+    cfg = h264_config(models)
+    cfg["metrics"] = {"port": free_port()}
+
+    def gauges(name: str) -> dict:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=10).read().decode()
+        return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                if line.startswith(name + "{")}
+
+    async def scenario(endpoint: str) -> None:
+        sessions = [AsyncSession(endpoint, "a", format="h264") for _ in range(6)]
+        await asyncio.gather(*(s.__aenter__() for s in sessions))
+        try:
+            deadline = time.monotonic() + 30
+            while sum((placed := gauges("lipsync_h264_sessions")).values()) != 6:
+                assert time.monotonic() < deadline, placed
+                await asyncio.sleep(0.1)
+            assert sorted(placed.values()) == [3, 3], placed
+            assert set(gauges("lipsync_compositor_depth")) == {"0", "1"}
+        finally:
+            for s in sessions:
+                await s.__aexit__(None, None, None)
+
+    with run_server(tmp_path, cfg) as srv:
+        asyncio.run(scenario(srv.endpoint))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 SAMPLE_S = 0.5
-RAMP = 4     # sessions admitted per core per window while no session's cost has been measured
+RAMP = 8     # sessions admitted per core per window while no session's cost has been measured
 
 
 @dataclass(frozen=True)

@@ -101,13 +101,17 @@ class H264Sessions:
     def _compositor(self, avoid: Optional[int] = None) -> int:
         """The ready compositor with the fewest H.264 sessions, those still opening included (sessions
         that open together would otherwise all count none placed, and all go to the first)."""
-        states = self.host.compositors()
-        counts = [0] * len(states)
+        states, counts = self.host.compositors(), self.placed()
+        ready = [i for i, c in enumerate(states) if c.ready and i != avoid] or list(range(len(states)))
+        return min(ready, key=lambda i: (counts[i], i))
+
+    def placed(self) -> list[int]:
+        """H.264 sessions (opening or open) per compositor."""
+        counts = [0] * len(self.host.compositors())
         for compositor in self._placed.values():
             if compositor < len(counts):
                 counts[compositor] += 1
-        ready = [i for i, c in enumerate(states) if c.ready and i != avoid] or list(range(len(states)))
-        return min(ready, key=lambda i: (counts[i], i))
+        return counts
 
     def close(self, session: LiveSession) -> None:
         self._placed.pop(session.token, None)

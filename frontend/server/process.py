@@ -48,6 +48,7 @@ from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
+GAUGES_S = 1.0   # how often the depth gauges (queues, slots, backlogs, H.264 placement) are set
 
 
 class Frontend(Shell):
@@ -170,8 +171,12 @@ class Frontend(Shell):
             await asyncio.sleep(0.01)
         readers = [asyncio.create_task(self._read_clients(i, s)) for i, s in enumerate(self.clients)]
         readers += [asyncio.create_task(self._watch_connections(i, m)) for i, m in enumerate(self.monitors)]
+        gauges_at = time.monotonic()
         while not self._stopping:
             await asyncio.sleep(0.1)  # the SIGTERM flag; every real wait is a socket read
+            if time.monotonic() >= gauges_at:   # the queue gauges, as of this second
+                self._gauges()
+                gauges_at = time.monotonic() + GAUGES_S
         # Stop accepting, then let in-flight requests finish up to the shutdown deadline.
         for task in readers:
             task.cancel()
@@ -360,12 +365,18 @@ class Frontend(Shell):
         self._gauges()
 
     def _gauges(self) -> None:
+        """The depth gauges: set every GAUGES_S and on process and model events, on the loop (what
+        they read is the loop's own state, not safe to read from the metrics thread)."""
         self.metrics.backlog_bytes.set(self.backlogs.total())
         for w in self.engine.workers:
             label = str(w.index)
             self.metrics.queue_depth.labels(label).set(len(w.active))
             self.metrics.slots_in_use.labels(label).set(w.slots - w.free_slots)
             self.metrics.models_loaded.labels(label).set(len(w.models))
+        for i, c in enumerate(self.engine.compositors):
+            self.metrics.compositor_depth.labels(str(i)).set(len(c.active))
+        for i, n in enumerate(self.live.h264.placed()):
+            self.metrics.h264_sessions.labels(str(i)).set(n)
 
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
