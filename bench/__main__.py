@@ -39,6 +39,10 @@ def main() -> int:
                         help="sessions bench: silent levels (sessions, comma-separated; '' for none)")
     parser.add_argument("--pcm-levels", type=_counts, default=(10, 20),
                         help="sessions bench (jpeg): 16 kHz PCM speaking levels ('' for none)")
+    parser.add_argument("--admission", action="store_true",
+                        help="sessions bench: past capacity, with the server's admission on: each of --levels is a "
+                             "number of sessions asked for at once (each asks again on busy, as told, for 10 s), on a "
+                             "fresh server; how many got in and how they fared")
     parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
     parser.add_argument("--profile", metavar="DIR", type=Path,
                         help="sessions bench: a py-spy recording of the frontend per level into DIR, summed up "
@@ -69,9 +73,14 @@ def main() -> int:
         from bench import sessions
         print(f"live sessions (near-zero-cost model, 1280x720 {'JPEG q75' if args.format == 'jpeg' else 'H.264'}, "
               "25 fps):")
-        results["sessions"] = sessions.run(models_dir, args.seconds, args.levels, args.silent, args.pcm_levels,
-                                           fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
-                                           profile=args.profile, native=args.profile_native)
+        if args.admission:
+            print(f"  admission on (sessions.max_cpu_load 0.75): sessions asked for at once, {args.levels}")
+            results["sessions"] = sessions.run_admission(models_dir, args.seconds, args.levels, fmt=args.format,
+                                                         budget_ms=args.budget_ms)
+        else:
+            results["sessions"] = sessions.run(models_dir, args.seconds, args.levels, args.silent, args.pcm_levels,
+                                               fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
+                                               profile=args.profile, native=args.profile_native)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")

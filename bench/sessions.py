@@ -25,7 +25,7 @@ import psutil
 
 from bench import pyspy
 from bench.procstat import CpuSampler, DepthSampler
-from lipsync_client import AsyncSession
+from lipsync_client import AsyncSession, ServerError
 from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
 from config.audio import write_speech
@@ -46,14 +46,35 @@ def _models(demo_dir: Path, root: Path) -> Path:
     return root
 
 
+async def _admitted(endpoint: str, fmt: str, mode: str, admit_s: float) -> tuple[Optional[AsyncSession], int]:
+    """An open session, and how many times the server answered busy first (asked again when it said, for
+    up to `admit_s`); None if it never let the session in."""
+    give_up, refusals = time.monotonic() + admit_s, 0
+    while True:
+        s = AsyncSession(endpoint, "avatar", format=fmt, quality=75 if fmt == "jpeg" else None, timeout_s=60,
+                         audio=mode)
+        try:
+            return await s.__aenter__(), refusals
+        except ServerError as err:
+            await s.__aexit__(None, None, None)
+            if err.code != "busy" or not admit_s:
+                raise
+            refusals += 1
+            if time.monotonic() + err.retry_after_s > give_up:
+                return None, refusals
+            await asyncio.sleep(err.retry_after_s)
+
+
 async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int,
-                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg", tts: bool = False) -> dict:
+                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg", tts: bool = False, admit_s: float = 0.0) -> dict:
     rng = np.random.default_rng(seed)
     mode = "pcm16" if pcm is not None else "window"
     received = [0, 0.0, 0.0]   # bytes, first and last arrival
 
-    async with AsyncSession(endpoint, "avatar", format=fmt, quality=75 if fmt == "jpeg" else None, timeout_s=60,
-                            audio=mode) as s:
+    s, refusals = await _admitted(endpoint, fmt, mode, admit_s)
+    if s is None:
+        return {"refused": True, "busy": refusals}
+    async with s:
         async def drain():
             while True:
                 _, image, _ = await s.frames.get()
@@ -88,12 +109,12 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
             await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
         stats = await s.close()
         reader.cancel()
-        return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9)}
+        return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9), "busy": refusals}
 
 
 async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",
-                 tts: bool = False) -> list[dict]:
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts) for i in range(n)))
+                 tts: bool = False, admit_s: float = 0.0) -> list[dict]:
+    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts, admit_s) for i in range(n)))
 
 
 def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
@@ -122,7 +143,8 @@ def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
 
 
 def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False,
-               metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False) -> dict:
+               metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False,
+               admit_s: float = 0.0) -> dict:
     procs = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
     cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
@@ -130,7 +152,9 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     cpu.start()
     depth.start()
     try:
-        stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts))
+        stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts, admit_s))
+        refused = [st for st in stats if st.get("refused")]
+        stats = [st for st in stats if not st.get("refused")]
     finally:
         cpu.stop()
         depth.stop()
@@ -141,7 +165,9 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
     wall = cpu.samples[-1][0] - cpu.samples[0][0]
     frontend = used["frontend0"]
-    result = {"sessions": n, "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames,
+    result = {"sessions": len(stats), "asked": n, "refused": len(refused),
+              "busy_answers": sum(st["busy"] for st in stats + refused),
+              "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames,
               "speech": sum(s["frames_speech"] for s in stats),
               "on_time": 1 - late / max(frames, 1), "late": late, "missed": sum(s["missed"] for s in stats),
               "dropped": sum(s["dropped"] for s in stats), "max_late_ms": max(s["max_late_ms"] for s in stats),
@@ -205,10 +231,11 @@ def _sum_counts(dicts) -> dict:
     return total
 
 
-def _settings(fmt: str, budget_ms: int) -> dict:
-    # NOTE: admission by load off (sessions.max_cpu_load 0): a server in service answers `busy` before
-    # its cliff, and the bench measures where that cliff is
-    return {"sessions.max_sessions": 1000, "sessions.max_cpu_load": 0, "sessions.latency_budget_ms": budget_ms,
+def _settings(fmt: str, budget_ms: int, admission: bool = False) -> dict:
+    # NOTE: admission by load off (sessions.max_cpu_load 0) unless asked for: a server in service answers
+    # `busy` before its cliff, and the bench measures where that cliff is
+    return {"sessions.max_sessions": 1000, "sessions.max_cpu_load": 0.75 if admission else 0,
+            "sessions.latency_budget_ms": budget_ms,
             "limits.max_batch": 24,
             "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
             "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
@@ -276,6 +303,29 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
     return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms) if split else None}
 
 
+def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str = "h264", budget_ms: int = 280,
+                  admit_s: float = 10.0) -> dict:
+    """Past capacity, with the server's admission on (sessions.max_cpu_load at its default): each level
+    asks for more sessions than the machine holds, all at once, each asking again when the server says
+    (busy's retry_after_ms) for up to `admit_s`. How many got in, how many were refused, and the quality
+    of those that got in. A fresh server per level (its measured cost starts from nothing)."""
+    results = []
+    for n in asked:
+        root = Path(tempfile.mkdtemp(prefix="lsync-admission-"))
+        try:
+            models = _models(Path(demo_dir), root)
+            port = free_port()
+            cfg = base_config(models, **_settings(fmt, budget_ms, admission=True), **{"metrics.port": port})
+            with run_server(root, cfg) as srv:
+                if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
+                    asyncio.run(_level(srv.endpoint, 4, 4.0, 0.5, None, fmt))
+                results.append(_run_level(srv, n, seconds, 0.27, fmt=fmt, metrics_port=port, admit_s=admit_s))
+                _print(results[-1])
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"admission": results}
+
+
 def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: list,
                 metrics_port: Optional[int] = None) -> None:
     if not levels:
@@ -295,6 +345,9 @@ def _print(r: dict) -> None:
     pcm = (" (16 kHz PCM, TTS-like: 200-ms chunks at 2x real time)" if r.get("tts") else
            " (16 kHz PCM, 20-ms chunks in real time)") if r.get("pcm") else ""
     kind = ("speaking 27%" + pcm) if r["duty"] else "silent"
+    if r.get("refused") or r.get("busy_answers"):
+        print(f"  {r['asked']} sessions asked for: {r['sessions']} admitted, {r['refused']} refused busy "
+              f"({r['busy_answers']} busy answers in all, each asked again as the server said)", flush=True)
     print(f"  {r['sessions']:4d} sessions {kind}: {r['frames']} frames ({r['speech']} speech), "
           f"{100 * r['on_time']:.2f}% on time, late {r['late']} (max {r['max_late_ms']:.0f} ms), "
           f"missed {r['missed']} ({100 * r['missed_share']:.1f}% of speech), dropped {r['dropped']}, "
@@ -329,7 +382,7 @@ def _print_processes(r: dict) -> None:
     verdict = (f"{first['process']} saturated first ({first['at_s']} s in, its busiest thread {first['thread_cpu']:.0f}% "
                "of a core)" if first["saturated"] else
                f"no process saturated (the busiest: {first['process']}, its busiest thread {first['thread_cpu']:.0f}%)")
-    print(f"        CPU, % of one core over the run: " + "; ".join(parts) + "\n"
+    print("        CPU, % of one core over the run: " + "; ".join(parts) + "\n"
           f"        machine {machine['cpu']:.0f}% of {100 * machine['cores']}% ({machine['others']:.0f}% of it not this "
           f"bench's); {verdict}; "
           f"the frontend: {r['frontend_us_per_frame']:.0f} us of CPU per frame sent "
