@@ -44,6 +44,8 @@ def main() -> int:
                              "number of sessions asked for at once (each asks again on busy, as told, for 10 s), on a "
                              "fresh server; how many got in and how they fared")
     parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
+    parser.add_argument("--no-shed", action="store_true",
+                        help="sessions bench: sessions.shed_speech off (every session misses alike past capacity)")
     parser.add_argument("--profile", metavar="DIR", type=Path,
                         help="sessions bench: a py-spy recording of the frontend per level into DIR, summed up "
                              "per function per frame sent (needs py-spy installed beside the bench's python)")
@@ -76,11 +78,12 @@ def main() -> int:
         if args.admission:
             print(f"  admission on (sessions.max_cpu_load 0.75): sessions asked for at once, {args.levels}")
             results["sessions"] = sessions.run_admission(models_dir, args.seconds, args.levels, fmt=args.format,
-                                                         budget_ms=args.budget_ms)
+                                                         budget_ms=args.budget_ms, shed=not args.no_shed)
         else:
             results["sessions"] = sessions.run(models_dir, args.seconds, args.levels, args.silent, args.pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
-                                               profile=args.profile, native=args.profile_native)
+                                               profile=args.profile, native=args.profile_native,
+                                               shed=not args.no_shed)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")

@@ -180,6 +180,11 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
               "cpu_percent": {k: round(v["cpu"]) for k, v in used.items() if k != "machine"},
               "processes": used, "saturated": _first_saturated(used), "queues": depth.result()}
     result["missed_share"] = result["missed"] / max(result["missed"] + result["speech"], 1)
+    # shedding (sessions.shed_speech): the sessions that kept all their speech, and how those fared
+    kept = [s for s in stats if not s.get("shed")]
+    kept_missed, kept_speech = sum(s["missed"] for s in kept), sum(s["frames_speech"] for s in kept)
+    result.update(shed=sum(s.get("shed", 0) for s in stats), sessions_shed=len(stats) - len(kept),
+                  kept_missed=kept_missed, kept_missed_share=kept_missed / max(kept_missed + kept_speech, 1))
     if recording is not None:
         result["profile"] = ({"error": failed} if failed else
                              pyspy.summarize(recording.out, frames, result["frontend_loop_us_per_frame"]))
@@ -231,11 +236,11 @@ def _sum_counts(dicts) -> dict:
     return total
 
 
-def _settings(fmt: str, budget_ms: int, admission: bool = False) -> dict:
+def _settings(fmt: str, budget_ms: int, admission: bool = False, shed: bool = True) -> dict:
     # NOTE: admission by load off (sessions.max_cpu_load 0) unless asked for: a server in service answers
     # `busy` before its cliff, and the bench measures where that cliff is
     return {"sessions.max_sessions": 1000, "sessions.max_cpu_load": 0.75 if admission else 0,
-            "sessions.latency_budget_ms": budget_ms,
+            "sessions.latency_budget_ms": budget_ms, "sessions.shed_speech": shed,
             "limits.max_batch": 24,
             "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
             "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
@@ -276,14 +281,14 @@ def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
         pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280, split: bool = True,
-        profile: Optional[Path] = None, native: bool = False) -> dict:
+        profile: Optional[Path] = None, native: bool = False, shed: bool = True) -> dict:
     """Each level on one server; `profile`: a directory for a py-spy recording of the frontend per level
     (`native`: with C frames, pausing the process per sample)."""
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
         port = free_port()
-        cfg = base_config(models, **_settings(fmt, budget_ms), **{"metrics.port": port})
+        cfg = base_config(models, **_settings(fmt, budget_ms, shed=shed), **{"metrics.port": port})
         results = []
         with run_server(root, cfg) as srv:
             if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
@@ -304,7 +309,7 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
 
 
 def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str = "h264", budget_ms: int = 280,
-                  admit_s: float = 10.0) -> dict:
+                  admit_s: float = 10.0, shed: bool = True) -> dict:
     """Past capacity, with the server's admission on (sessions.max_cpu_load at its default): each level
     asks for more sessions than the machine holds, all at once, each asking again when the server says
     (busy's retry_after_ms) for up to `admit_s`. How many got in, how many were refused, and the quality
@@ -315,7 +320,7 @@ def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str
         try:
             models = _models(Path(demo_dir), root)
             port = free_port()
-            cfg = base_config(models, **_settings(fmt, budget_ms, admission=True), **{"metrics.port": port})
+            cfg = base_config(models, **_settings(fmt, budget_ms, admission=True, shed=shed), **{"metrics.port": port})
             with run_server(root, cfg) as srv:
                 if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
                     asyncio.run(_level(srv.endpoint, 4, 4.0, 0.5, None, fmt))
@@ -354,6 +359,10 @@ def _print(r: dict) -> None:
           f"speech latency p99 {r['latency_p99_ms']} ms, {r['kbit_s_per_session']:.0f} kbit/s per session"
           + (f", {r['encoded']} frames encoded (the rest from the idle loop)" if r["format"] == "h264" else ""),
           flush=True)
+    if r.get("shed"):
+        print(f"        shed (the host full, newest first): {r['shed']} speech frames not rendered in "
+              f"{r['sessions_shed']} sessions; the other {r['sessions'] - r['sessions_shed']} missed "
+              f"{r['kept_missed']} ({100 * r['kept_missed_share']:.2f}% of their speech)", flush=True)
     _print_processes(r)
     if r.get("stages_ms"):
         print("        speech frame stages, ms p50/p99/max: " + ", ".join(

@@ -40,8 +40,12 @@ class Metrics:
                                         "full (sessions.max_sessions, max_cpu_load, max_process_load)", registry=r)
         self.cpu_load = Gauge("lipsync_cpu_load", "The server's processes' CPU over the last seconds, as a share of "
                               "the cores the host gives them (measured while sessions are admitted)", registry=r)
+        self.sessions_shed = Gauge("lipsync_sessions_shed", "Live sessions whose speech is partly or wholly not "
+                                   "rendered because the host is full, the newest first (sessions.shed_speech)",
+                                   registry=r)
         self.session_frames = Counter("lipsync_session_frames", "Live session frames by kind: speech, idle; "
-                                      "missed (idle where speech was due), dropped (client not reading), skipped",
+                                      "missed (idle where speech was due), dropped (client not reading), skipped, shed (not "
+                                      "rendered: the host was full)",
                                       ["kind"], registry=r)
         self.session_lateness = Histogram("lipsync_session_lateness_ms", "How long after its due time a live "
                                           "session frame was sent", buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320),

@@ -252,6 +252,7 @@ class SessionStatsReply(msgspec.Struct, kw_only=True):
     dropped: int
     late: int
     frames_encoded: int = 0         # h264: frames its own encoder encoded (the others came from the idle loop)
+    shed: int = 0                   # speech frames not rendered because the server was full (the newest sessions first)
     max_late_ms: float
     latency_ms_p50: Optional[float]
     latency_ms_p99: Optional[float]

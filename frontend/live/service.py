@@ -28,6 +28,7 @@ from frontend.live.capacity import SAMPLE_S, Capacity, host_cores
 from frontend.live.h264_sessions import H264Sessions
 from frontend.live.host import Host, OpenCall
 from frontend.live.idle import IdleCache, frame_bytes
+from frontend.live.shedding import LEVELS, WINDOW_S, Shedder
 from frontend.live.speech import SpeechBatcher
 from frontend.live.timeline import LiveSession, SessionTable
 from shm.codes import ErrorCode
@@ -105,10 +106,12 @@ class Live:
                                   single_threaded=lambda name: not name.startswith("gpu"))
                          if cpu is not None and self.cfg.max_cpu_load > 0 else None)
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
+        self.shedder = Shedder() if self.cfg.shed_speech else None
+        self._shed_timer: Any = None   # the next shedding window, while sessions are open
         # NOTE: the label lookup once, not per frame sent
         self._counted = {kind: metrics.session_frames.labels(kind)
-                         for kind in ("speech", "idle", "missed", "dropped", "skipped")}
-        self._refused, self._cpu_load = metrics.sessions_refused, metrics.cpu_load
+                         for kind in ("speech", "idle", "missed", "dropped", "skipped", "shed")}
+        self._refused, self._cpu_load, self._shedding = metrics.sessions_refused, metrics.cpu_load, metrics.sessions_shed
         self._lateness = metrics.session_lateness
         self.table = SessionTable(self.cfg.max_sessions)
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
@@ -235,6 +238,18 @@ class Live:
             self._cpu_load.set(self.capacity.load.total / self.capacity.cores)
         self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
 
+    def _shed(self) -> None:
+        """A shedding window (live/shedding.py): the newest speaking session gives up a step of its speech
+        when frames were missed, late or tight; a step is given back after calm windows."""
+        sessions = self.table.sessions()   # oldest first
+        changes = self.shedder.window(sessions)
+        if changes:
+            log.warning("%s (%d of %d sessions shed)", "; ".join(
+                f"session {c.token}: speech {LEVELS[c.level]}, {'the host is full' if c.full else 'calm again'}"
+                for c in changes), sum(s.shed > 0 for s in sessions), len(sessions))
+        self._shedding.set(sum(s.shed > 0 for s in sessions))
+        self._shed_timer = self.clock.call_at(self.clock.now() + WINDOW_S, self._shed) if sessions else None
+
     def _check_open(self, opening: "Opening") -> None:
         """Answer a session_open once its session is ready (`_open`)."""
         session = opening.session
@@ -245,6 +260,8 @@ class Live:
         session.t0 = self.clock.now() + self.cfg.start_delay_ms / 1000
         self.table.add(session)
         self.metrics.sessions_open.set(len(self.table))
+        if self.shedder is not None and self._shed_timer is None:
+            self._shed_timer = self.clock.call_at(self.clock.now() + WINDOW_S, self._shed)
         header, spec = opening.call.header, opening.call.spec
         viewer_url = self.viewer.open(session) if header.webrtc else None
         self.arm()
@@ -497,4 +514,6 @@ class Live:
         self._lateness.observe(max((now - frame.due) * 1000, 0.0))
         if frame.missed:
             counted["missed"].inc()
+        elif frame.shed:
+            counted["shed"].inc()
         return True

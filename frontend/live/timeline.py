@@ -27,6 +27,7 @@ import numpy as np
 
 from config.assets import frame_index
 from config.audio import SAMPLE_RATE, SAMPLES_PER_FRAME, PcmStream, Resampler, frame_samples, gather_rows, window_rows
+from frontend.live.shedding import FULL, HALF, Meter
 
 LOOKAHEAD = 7
 PCM_LOOKAHEAD_SAMPLES = 7240   # pcm16: frame i's window needs 7,240 samples (16 kHz) past its start (PcmStream)
@@ -47,6 +48,7 @@ class Outgoing:
     last: bool = False                 # ... and its last frame (its last samples, or where an interrupt cut it)
     stages: Optional[dict] = None      # speech: ms spent in each stage before it was ready (SpeechFrame.stages)
     ready_at: float = 0.0              # speech: when it was ready to go (composited, or encoded)
+    shed: bool = False                 # its speech was not rendered, the host being full (a repeat, or idle)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Stats:
     dropped: int = 0
     late: int = 0
     encoded: int = 0              # h264: frames the session's own encoder encoded (the rest: its avatar's idle loop)
+    shed: int = 0                 # speech frames not rendered because the host was full (live/shedding.py)
     max_late_ms: float = 0.0
     latency_ms: deque = field(default_factory=lambda: deque(maxlen=4096))
     stages_ms: dict = field(default_factory=dict)    # stage -> its ms for each speech frame sent (STAGES)
@@ -68,7 +71,7 @@ class Stats:
     def as_dict(self) -> dict:
         lat = np.asarray(self.latency_ms) if self.latency_ms else None
         return {"frames_speech": self.speech, "frames_idle": self.idle, "missed": self.missed,
-                "dropped": self.dropped, "late": self.late, "frames_encoded": self.encoded,
+                "dropped": self.dropped, "late": self.late, "frames_encoded": self.encoded, "shed": self.shed,
                 "max_late_ms": round(self.max_late_ms, 1),
                 "latency_ms_p50": round(float(np.percentile(lat, 50)), 1) if lat is not None else None,
                 "latency_ms_p99": round(float(np.percentile(lat, 99)), 1) if lat is not None else None,
@@ -104,6 +107,8 @@ class SpeechFrame:
     utterance: Optional[int] = None
     last: bool = False                  # the utterance's last frame
     tail: bool = False                  # audio only: no image is made for it (goes out idle, not missed)
+    shed: bool = False                  # not rendered, the host being full: goes out idle with its audio
+    repeat: bool = False                # not rendered, the host being full: repeats the speech frame before it
     submitted: Optional[float] = None   # its batch was formed (handed to the engine)
     stages: Optional[dict] = None       # ms per stage up to composited (STAGES)
     ready_at: float = 0.0
@@ -146,6 +151,9 @@ class LiveSession:
         self._utterances = 0                 # the highest utterance id so far (the client's, or counted here)
         self.retired = 0                     # every utterance up to this id was interrupted: never rendered
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
+        self.shed = FULL                     # how much of its speech is rendered (live/shedding.py)
+        self.meter = Meter()                 # ... and its speech frames' timeliness this window
+        self._said: Optional[tuple] = None   # the last speech frame rendered: (utterance, image)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
         self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
         self.h264: Any = None                # h264 sessions: their frontend.live.h264_stream.H264Stream
@@ -212,6 +220,9 @@ class LiveSession:
             self.speech[k] = SpeechFrame(now, utterance=utterance)
         if last:
             self._end(frames[-1])
+        kept = [i for i, k in enumerate(frames) if self._rendered(k)]
+        if len(kept) < len(frames):
+            return first, [([frames[i] for i in kept], audio[kept])] if kept else []
         return first, [(frames, audio)]
 
     def features(self, rows: np.ndarray, last: bool, now: float, audio_shape: tuple[int, ...],
@@ -227,7 +238,7 @@ class LiveSession:
         if last:
             self._end(first + len(rows) - 1)
         ready = len(self._rows) if last else max(len(self._rows) - LOOKAHEAD, 0)
-        js = list(range(self._inferred_rows, ready))
+        js = [j for j in range(self._inferred_rows, ready) if self._rendered(self._row_frame[j])]
         self._inferred_rows = ready
         out = []
         if js:
@@ -276,7 +287,8 @@ class LiveSession:
         for i in range(self._utterance_done, ready):
             k = start + i
             self.speech[k] = SpeechFrame(now, audio=self._frame_pcm(i), utterance=utterance)
-            work.append((stream, k, stream.frame_rows(i)))
+            if self._rendered(k):
+                work.append((stream, k, stream.frame_rows(i)))
         self._utterance_done = ready
         heard = -(-after // fs)   # frames its samples so far play in
         self.speech_end = max(self.speech_end, start + max(ready, heard))
@@ -288,6 +300,20 @@ class LiveSession:
             self._end(self.speech_end - 1)
             self._stream = self._resampler = None
         return first, max(spans, 0), work
+
+    def _rendered(self, k: int) -> bool:
+        """Whether speech frame k goes to inference: all of them, unless the host sheds this session's
+        speech (live/shedding.py): at HALF every other one (the one between repeats it), at NONE none
+        (they go out idle, with their audio)."""
+        if self.shed == FULL:
+            return True
+        speech = self.speech[k]
+        before = self.speech.get(k - 1)
+        if self.shed == HALF and (before is None or before.utterance != speech.utterance or before.repeat
+                                  or before.shed or before.tail):
+            return True
+        speech.repeat, speech.shed = self.shed == HALF, self.shed != HALF
+        return False
 
     def _frame_pcm(self, i: int) -> bytes:
         """Frame i of the utterance: its samples as sent (zeros past the end)."""
@@ -363,7 +389,17 @@ class LiveSession:
         while self.due(self.next_index) - self.ahead <= now:
             k = self.next_index
             speech = self.speech.pop(k, None)
-            if speech is not None and speech.image is not None:
+            if speech is not None and (speech.repeat or speech.shed):   # the host sheds this session's speech
+                self.stats.shed += 1
+                said = self._said if speech.repeat and self._said and self._said[0] == speech.utterance else None
+                out.append(Outgoing(k, "speech" if said else "idle", self.background(k), said and said[1],
+                                    self.due(k), speech.received, speech.audio, utterance=speech.utterance,
+                                    last=speech.last, shed=True))
+            elif speech is not None and speech.image is not None:
+                self.meter.speech += 1
+                if self.due(k) - self.ahead - speech.ready_at < 1 / self.fps:
+                    self.meter.tight += 1
+                self._said = (speech.utterance, speech.image)
                 out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received,
                                     speech.audio, stages=speech.stages, ready_at=speech.ready_at,
                                     utterance=speech.utterance, last=speech.last))
@@ -373,6 +409,7 @@ class LiveSession:
             else:
                 if speech is not None:
                     self.stats.missed += 1
+                    self.meter.missed += 1
                     where = speech.where()
                     self.stats.missed_in[where] = self.stats.missed_in.get(where, 0) + 1
                 out.append(Outgoing(k, "idle", self.background(k), None, self.due(k), missed=speech is not None,
@@ -394,6 +431,8 @@ class LiveSession:
             self.stats.idle += 1
         if late_ms > 40:
             self.stats.late += 1
+        if late_ms > 1000 / self.fps:
+            self.meter.late += 1
         self.stats.max_late_ms = max(self.stats.max_late_ms, late_ms)
 
 

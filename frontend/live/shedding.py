@@ -1,0 +1,103 @@
+"""When the host is full after all: speech is shed session by session, the newest first, so that the
+sessions that were there before keep every speech frame.
+
+Admission (live/capacity.py) keeps a host from taking more sessions than it holds; past it (a burst of
+sessions that all start speaking, a process restarting, `sessions.max_cpu_load: 0`) speech frames
+would come back too late for all of them alike. Instead, once a second (`WINDOW_S`) the frontend
+looks at the speech frames that went out: when any was missed, any frame went out more than a frame
+period late, or more than `TIGHT_SHARE` of them were ready with less than one frame period to spare,
+the newest sessions that are speaking give up a step each, as many as the share of speech frames in
+trouble says of the sessions speaking, one at least; never the oldest one speaking (one session alone
+keeps all of its speech). The steps:
+
+- `HALF`: every other speech frame is rendered; the frame between repeats the one before (half the
+  inference and compositing; an H.264 session still encodes each frame);
+- `NONE`: its speech goes out as the avatar's idle frames, its audio still with them (no inference,
+  no compositing; an H.264 session joins its avatar's pre-encoded idle loop).
+
+After `CALM_WINDOWS` windows with nothing missed, late or tight, the last step taken is given back,
+then one more each window while it stays calm (a quick step down, a slow one up, as TCP's
+congestion window).
+The rule is pure: counts and a session list in, the sessions' levels out (tests/test_shedding.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+WINDOW_S = 1.0
+CALM_WINDOWS = 3       # windows without pressure before one step is given back
+TIGHT_SHARE = 0.1      # ... of the window's speech frames ready with less than a frame period to spare
+MIN_TIGHT_FRAMES = 10  # the tight share is judged over at least this many speech frames
+FULL, HALF, NONE = 0, 1, 2
+LEVELS = ("full", "half", "none")
+
+
+@dataclass
+class Meter:
+    """One session's speech frames in the current window."""
+    speech: int = 0     # rendered speech frames that went out (or were decided, h264)
+    tight: int = 0      # ... ready less than a frame period before they had to go
+    missed: int = 0     # speech placed, not ready when due
+    late: int = 0       # frames sent more than a frame period after due
+
+    def clear(self) -> None:
+        self.speech = self.tight = self.missed = self.late = 0
+
+
+@dataclass(frozen=True)
+class Change:
+    token: str
+    level: int
+    full: bool          # True: a step given up (the host is full); False: one given back
+
+
+class Shed(Protocol):
+    token: str
+    shed: int
+    meter: Meter
+
+
+class Shedder:
+    """The shedding rule over the open sessions, given oldest first."""
+
+    def __init__(self) -> None:
+        self.steps: list[str] = []   # the tokens that gave up a step, in order (a token once per step)
+        self.calm = 0
+
+    def window(self, sessions: Iterable[Shed]) -> list[Change]:
+        """One window's verdict: the sessions whose level changes. Clears every session's meter."""
+        sessions = list(sessions)
+        speech = sum(s.meter.speech for s in sessions)
+        missed = sum(s.meter.missed + s.meter.late for s in sessions)
+        tight = sum(s.meter.tight for s in sessions)
+        over = missed + (max(tight - TIGHT_SHARE * speech, 0) if speech >= MIN_TIGHT_FRAMES else 0)
+        speaking = [s for s in sessions if s.meter.speech or s.meter.missed]
+        for s in sessions:
+            s.meter.clear()
+        by_token = {s.token: s for s in sessions}
+        self.steps = [t for t in self.steps if t in by_token]   # closed sessions' steps are gone
+        if over:
+            self.calm = 0
+            # As many sessions give up a step as the share of speech that was in trouble says (one at
+            # least), the newest speaking first. NOTE: never the oldest speaking session: shedding
+            # protects the sessions that came before, and a host too slow for one session gains
+            # nothing from cutting that one's speech.
+            n = max(1, math.ceil(len(speaking) * min(over / max(speech + missed, 1), 1)))
+            victims = [s for s in reversed(speaking[1:]) if s.shed < NONE][:n]
+            for victim in victims:
+                victim.shed += 1
+                self.steps.append(victim.token)
+            return [Change(v.token, v.shed, full=True) for v in victims]
+        if tight:
+            self.calm = 0
+            return []
+        self.calm += 1
+        if self.calm < CALM_WINDOWS or not self.steps:
+            return []
+        # calm long enough: one step back per window while it stays calm, the last taken first
+        session = by_token[self.steps.pop()]
+        session.shed -= 1
+        return [Change(session.token, session.shed, full=False)]
