@@ -416,49 +416,51 @@ def test_h264_sessions_opened_together_are_spread_over_the_compositors():
 
 
 def test_a_full_host_sheds_the_newest_speaking_sessions_speech_first():
-    """Speech that comes back too late all the same: the newest session that speaks gives up every
-    other speech frame, then all of them (idle frames, never counted missed), one step a window, and
-    the sessions before it keep every speech frame; calm windows give the steps back."""
+    """Speech that comes back too late all the same: the newest sessions that speak give up every
+    other speech frame, then all of them (idle frames, never counted missed), and the oldest keeps
+    every speech frame; calm windows give the steps back."""
     from frontend.live.shedding import CALM_WINDOWS, FULL, HALF, NONE, WINDOW_S
     live, host, clock = _live(max_queued_frames=1000)   # the test's clients read nothing
     peers = [Peer(f"s{i}") for i in range(3)]
     tokens = [_open(live, p) for p in peers]   # oldest first; the windows run from here on, every WINDOW_S
     sessions = [live.table.get(t) for t in tokens]
     start = clock.now()
+    n = 4   # speech frames each session says per window: all due within it
 
     def speak(on_time: bool) -> dict:
-        """Every session says 10 frames; the compositors answer at once, or never (the host is full).
+        """Every session says n frames; the compositors answer at once, or never (the host is full).
         Then on to the next window."""
         before = len(host.of(Kind.COMPOSITE, SpeechBatch))
-        firsts = {t: _audio(live, p, t, 10)["first_frame"] for p, t in zip(peers, tokens)}
+        for p, t in zip(peers, tokens):
+            _audio(live, p, t, n)
         clock.advance(1 / FPS)
         batches = host.of(Kind.COMPOSITE, SpeechBatch)[before:]
         if on_time:
             for r in batches:
                 _composite(live, r, "speech")
-        clock.advance(start + round(clock.now() - start + 0.5) - clock.now())
+        clock.advance(start + (round((clock.now() - start) / WINDOW_S) + 1) * WINDOW_S - clock.now())
         return {t: [k for r in batches for token, k, _ in r.work.targets if token == t] for t in tokens}
 
     speak(on_time=False)   # every frame missed: as many steps as sessions speaking, never the oldest's
     assert [s.shed for s in sessions] == [FULL, HALF, HALF]
     rendered = speak(on_time=True)
-    assert [len(rendered[t]) for t in tokens] == [10, 5, 5], "the newest render every other frame"
+    assert [len(rendered[t]) for t in tokens] == [n, n // 2, n // 2], "the newest render every other frame"
     frames = {h["index"]: (h["kind"], d[0]) for h, d in _frames(host, peers[2])}
-    said = [frames[k] for k in range(rendered[tokens[2]][0], rendered[tokens[2]][0] + 10)]
+    said = [frames[k] for k in range(rendered[tokens[2]][0], rendered[tokens[2]][0] + n)]
     assert all(kind == "speech" for kind, _ in said) and said[1::2] == said[0::2], "the frame between repeats"
     speak(on_time=False)
     assert [s.shed for s in sessions] == [FULL, NONE, NONE]
     missed = [s.stats.missed for s in sessions]
     rendered = speak(on_time=True)
-    assert [len(rendered[t]) for t in tokens] == [10, 0, 0]
+    assert [len(rendered[t]) for t in tokens] == [n, 0, 0]
     assert [s.stats.missed for s in sessions] == missed, "shed frames are not missed ones"
-    # 5 at half, 5 more while the window that shed all of it was still at half, then all 10
-    assert [s.stats.shed for s in sessions] == [0, 20, 20]
+    # n/2 at half, n/2 more while the window that shed all of it was still at half, then all n
+    assert [s.stats.shed for s in sessions] == [0, 2 * n, 2 * n]
     for _ in range(CALM_WINDOWS - 1):
         speak(on_time=True)
     assert [s.shed for s in sessions] == [FULL, HALF, NONE], "the last step taken, given back first"
     stats = msgspec.json.decode(live.handle(_call("session_stats", peers[2], session=tokens[2]), []))
-    assert stats["shed"] == 20 + 10 * (CALM_WINDOWS - 1)
+    assert stats["shed"] == 2 * n + n * (CALM_WINDOWS - 1)
     assert live.metrics.session_frames.labels("shed")._value.get() == 2 * stats["shed"]
     assert live.metrics.sessions_shed._value.get() == 2
     live.handle(_call("session_close", peers[2], session=tokens[2]), [])

@@ -12,7 +12,7 @@ from frontend.live.timeline import LiveSession
 
 class Fake:
     def __init__(self, token: str):
-        self.token, self.shed, self.meter = token, FULL, Meter()
+        self.token, self.shed, self.meter, self.shed_whole = token, FULL, Meter(), False
 
 
 def _window(shedder: Shedder, sessions, **counts) -> list[tuple[str, int]]:
@@ -32,7 +32,9 @@ def test_a_missed_frame_sheds_the_newest_speaking_session_never_the_oldest():
     speaking = dict(a=dict(speech=25, missed=1), b=dict(speech=25))   # c is silent: shedding it frees nothing
     assert _window(shedder, sessions, **speaking) == [("b", HALF)]
     assert all(s.meter == Meter() for s in sessions), "every meter starts again each window"
+    assert _window(shedder, sessions, **speaking) == [], "the window after a step: speech in flight, not judged"
     assert _window(shedder, sessions, **speaking) == [("b", NONE)]
+    _window(shedder, sessions, a=dict(speech=25))
     assert _window(shedder, sessions, a=dict(speech=25, missed=2), b=dict(missed=1)) == [], "b is shed all"
     assert _window(shedder, sessions, a=dict(speech=25, missed=2)) == [], "a, alone speaking, keeps its speech"
     assert _window(shedder, sessions, a=dict(speech=25), c=dict(speech=25, missed=1)) == [("c", HALF)]
@@ -44,7 +46,9 @@ def test_as_many_sessions_step_down_as_the_share_of_speech_in_trouble():
     shedder = Shedder()
     counts = {f"s{i}": dict(speech=15, missed=10) for i in range(8)}   # 8 speaking, 40 % of speech missed
     assert _window(shedder, sessions, **counts) == [(f"s{i}", HALF) for i in (7, 6, 5, 4)]
+    assert _window(shedder, sessions, **counts) == []
     assert _window(shedder, sessions, **counts) == [(f"s{i}", NONE) for i in (7, 6, 5, 4)]
+    assert _window(shedder, sessions, **counts) == []
     assert _window(shedder, sessions, **counts) == [(f"s{i}", HALF) for i in (3, 2, 1)], "never s0"
 
 
@@ -55,7 +59,9 @@ def test_late_frames_and_a_share_of_tight_ones_are_pressure_a_few_tight_ones_are
     assert _window(shedder, sessions, a=dict(speech=MIN_TIGHT_FRAMES // 2, tight=MIN_TIGHT_FRAMES // 2),
                    b=dict(speech=MIN_TIGHT_FRAMES // 2 - 1)) == [], "too few frames to judge a share"
     assert _window(shedder, sessions, a=dict(speech=100, tight=21), b=dict(speech=100)) == [("b", HALF)]
+    _window(shedder, sessions, a=dict(speech=25))
     assert _window(shedder, sessions, a=dict(speech=3, late=1), b=dict(speech=3), c=dict(speech=3)) == [("c", HALF)]
+    _window(shedder, sessions, a=dict(speech=25))
     assert _window(shedder, sessions, a=dict(speech=3), b=dict(speech=3, late=1)) == [("b", NONE)], \
         "c spoke not in this window"
 
@@ -65,6 +71,7 @@ def test_calm_windows_give_the_steps_back_last_taken_first_one_a_window():
     a, b, c = sessions = [Fake("a"), Fake("b"), Fake("c")]
     for _ in range(2):
         _window(shedder, sessions, a=dict(speech=25), c=dict(speech=25, missed=1))
+        _window(shedder, sessions, a=dict(speech=25, tight=1))   # settling, and not calm
     _window(shedder, sessions, a=dict(speech=25), b=dict(speech=25, missed=1))
     assert (a.shed, b.shed, c.shed) == (FULL, HALF, NONE)
     given_back = [_window(shedder, sessions, a=dict(speech=25)) for _ in range(CALM_WINDOWS + 3)]
@@ -77,6 +84,15 @@ def test_calm_windows_give_the_steps_back_last_taken_first_one_a_window():
     for _ in range(CALM_WINDOWS - 1):
         assert _window(shedder, sessions, a=dict(speech=25)) == []
     assert _window(shedder, sessions, a=dict(speech=25)) == [("b", FULL)]
+
+
+def test_an_h264_session_has_no_half_step():
+    a, b = sessions = [Fake("a"), Fake("b")]
+    b.shed_whole = True
+    shedder = Shedder()
+    assert _window(shedder, sessions, a=dict(speech=25), b=dict(speech=25, missed=1)) == [("b", NONE)]
+    given_back = [_window(shedder, sessions, a=dict(speech=25)) for _ in range(CALM_WINDOWS)]
+    assert given_back[-1] == [("b", FULL)] and not any(given_back[:-1])
 
 
 def test_a_closed_sessions_steps_go_with_it():

@@ -94,6 +94,7 @@ class H264Sessions:
         compositor = self._placed[session.token] = self._compositor()
         session.h264 = H264Stream(compositor, session.start_frame, period, self.cfg.loop_chunk)
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
+        session.shed_whole = True   # a repeated speech frame is encoded all the same (live/shedding.py)
         # The latency budget holds from audio to frame: speech is decided that much before due.
         session.lead = max(1, session.lead - ENCODE_AHEAD_FRAMES)
         self.prefetch(session)

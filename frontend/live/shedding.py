@@ -3,15 +3,17 @@ sessions that were there before keep every speech frame.
 
 Admission (live/capacity.py) keeps a host from taking more sessions than it holds; past it (a burst of
 sessions that all start speaking, a process restarting, `sessions.max_cpu_load: 0`) speech frames
-would come back too late for all of them alike. Instead, once a second (`WINDOW_S`) the frontend
+would come back too late for all of them alike. Instead, twice a second (`WINDOW_S`) the frontend
 looks at the speech frames that went out: when any was missed, any frame went out more than a frame
 period late, or more than `TIGHT_SHARE` of them were ready with less than one frame period to spare,
 the newest sessions that are speaking give up a step each, as many as the share of speech frames in
-trouble says of the sessions speaking, one at least; never the oldest one speaking (one session alone
+trouble says of the sessions speaking, one at least (and not in the window right after a step: speech
+already in flight is still late there); never the oldest one speaking (one session alone
 keeps all of its speech). The steps:
 
 - `HALF`: every other speech frame is rendered; the frame between repeats the one before (half the
-  inference and compositing; an H.264 session still encodes each frame);
+  inference and compositing). Not for H.264 sessions: they would still encode every frame, the larger
+  part of their cost, so they go to NONE at once;
 - `NONE`: its speech goes out as the avatar's idle frames, its audio still with them (no inference,
   no compositing; an H.264 session joins its avatar's pre-encoded idle loop).
 
@@ -27,8 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
-WINDOW_S = 1.0
-CALM_WINDOWS = 3       # windows without pressure before one step is given back
+WINDOW_S = 0.5
+CALM_WINDOWS = 6       # windows without pressure before one step is given back
 TIGHT_SHARE = 0.1      # ... of the window's speech frames ready with less than a frame period to spare
 MIN_TIGHT_FRAMES = 10  # the tight share is judged over at least this many speech frames
 FULL, HALF, NONE = 0, 1, 2
@@ -58,6 +60,7 @@ class Shed(Protocol):
     token: str
     shed: int
     meter: Meter
+    shed_whole: bool    # no HALF step: an H.264 session encodes every frame it renders or repeats
 
 
 class Shedder:
@@ -66,6 +69,7 @@ class Shedder:
     def __init__(self) -> None:
         self.steps: list[str] = []   # the tokens that gave up a step, in order (a token once per step)
         self.calm = 0
+        self.settling = False          # steps were taken last window: their effect is not measured yet
 
     def window(self, sessions: Iterable[Shed]) -> list[Change]:
         """One window's verdict: the sessions whose level changes. Clears every session's meter."""
@@ -81,6 +85,11 @@ class Shedder:
         self.steps = [t for t in self.steps if t in by_token]   # closed sessions' steps are gone
         if over:
             self.calm = 0
+            # NOTE: a step acts on speech placed after it; what was in flight still comes back late in
+            # the next window. Stepping again on that would shed far more than the host needs.
+            if self.settling:
+                self.settling = False
+                return []
             # As many sessions give up a step as the share of speech that was in trouble says (one at
             # least), the newest speaking first. NOTE: never the oldest speaking session: shedding
             # protects the sessions that came before, and a host too slow for one session gains
@@ -88,9 +97,11 @@ class Shedder:
             n = max(1, math.ceil(len(speaking) * min(over / max(speech + missed, 1), 1)))
             victims = [s for s in reversed(speaking[1:]) if s.shed < NONE][:n]
             for victim in victims:
-                victim.shed += 1
+                victim.shed = NONE if victim.shed_whole else victim.shed + 1
                 self.steps.append(victim.token)
+            self.settling = bool(victims)
             return [Change(v.token, v.shed, full=True) for v in victims]
+        self.settling = False
         if tight:
             self.calm = 0
             return []
@@ -99,5 +110,5 @@ class Shedder:
             return []
         # calm long enough: one step back per window while it stays calm, the last taken first
         session = by_token[self.steps.pop()]
-        session.shed -= 1
+        session.shed = FULL if session.shed_whole else session.shed - 1
         return [Change(session.token, session.shed, full=False)]

@@ -153,6 +153,7 @@ class LiveSession:
         self.last_image: Any = None          # the last frame sent (repeated if an idle frame is not ready)
         self.shed = FULL                     # how much of its speech is rendered (live/shedding.py)
         self.meter = Meter()                 # ... and its speech frames' timeliness this window
+        self.shed_whole = False              # ... without the half step (h264: encoding is most of its cost)
         self._said: Optional[tuple] = None   # the last speech frame rendered: (utterance, image)
         self.pinned_worker: Optional[int] = None   # the worker that keeps the model loaded for it
         self.ahead = 0.0                     # frames are decided this long before due (h264: to encode them)
