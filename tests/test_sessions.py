@@ -148,6 +148,26 @@ def test_admission_past_max_sessions_is_busy(server):
             s.__exit__(None, None, None)
 
 
+def test_an_async_session_entered_twice_is_one_session(server):
+    """`async with` on a session that is open already does not open a second one behind the caller's
+    back (sessions.max_sessions is 3: two more must still get in)."""
+    import asyncio
+
+    from lipsync_client import AsyncSession
+
+    async def scenario() -> None:
+        s = AsyncSession(server.endpoint, "a")
+        async with s:
+            token = s.token
+            async with s:
+                assert s.token == token
+                others = [Session(server.endpoint, "a") for _ in range(2)]
+                for o in others:
+                    o.__exit__(None, None, None)
+
+    asyncio.run(scenario())
+
+
 def test_a_disconnected_client_closes_its_sessions(server):
     s = Session(server.endpoint, "a")
     s._sock.close(linger=0)   # the client goes away without session_close

@@ -137,6 +137,8 @@ class AsyncSession:
         self.token = ""
 
     async def __aenter__(self) -> "AsyncSession":
+        if self.token:   # open already: entering it again is the same session, not a second one
+            return self
         self._reader = asyncio.create_task(self._read())
         self.info = await self._request("session_open", **_open_fields(self.model, **self._open_fields))
         self.token = self.info["session"]
