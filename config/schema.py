@@ -153,6 +153,7 @@ class SessionsConfig(_Section):
     max_sessions: PosInt = 256
     max_cpu_load: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.75      # 0: no admission by load
     max_process_load: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    speaking_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5   # admission: what share of time sessions speak
     shed_speech: bool = True                                            # newest session first, when full
     latency_budget_ms: Annotated[int, msgspec.Meta(ge=40, le=10000)] = 280
     max_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50

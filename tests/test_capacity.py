@@ -109,3 +109,40 @@ def test_a_containers_cpu_quota_caps_the_cores(quota, cores, tmp_path):
     import os
     (tmp_path / "cpu.max").write_text(quota)
     assert host_cores(str(tmp_path / "cpu.max")) == (cores or len(os.sched_getaffinity(0)))
+
+
+def test_sessions_silent_when_one_more_opens_still_count_as_speaking_their_share():
+    """A window of silent sessions makes a session look cheap. The fitted costs (one per open session,
+    one per speech frame) say what they cost when they speak: the host admits by that, at
+    sessions.speaking_share, not by a quiet moment."""
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9, speaking_share=0.5, fps=25)
+    per_session, per_frame = 0.002, 0.004   # cores per open session; core-seconds per speech frame
+    now, cpu, speech = 0.0, {"frontend": 0.0, "cpu0": 0.0}, 0.0
+
+    def run(sessions: int, duty: float, seconds: float) -> None:
+        nonlocal now, speech
+        for _ in range(round(seconds / 0.5)):
+            now += 0.5
+            frames = sessions * 25 * duty * 0.5
+            speech += frames
+            cpu["frontend"] += 0.5 * sessions * per_session + 0.2 * frames * per_frame
+            cpu["cpu0"] += 0.8 * frames * per_frame
+            cap.sample(now, cpu, sessions, int(speech))
+
+    run(10, 0.0, 2.0)
+    assert cap.per_session is None, "no speech seen: nothing to fit"
+    for duty in (0.1, 0.4, 0.2, 0.3) * 3:   # 10 sessions speaking now more, now less
+        run(10, duty, 2.0)
+    assert sum(cap.per_frame.values()) == pytest.approx(per_frame, rel=0.05)
+    assert sum(cap.per_session.values()) == pytest.approx(per_session, rel=0.05)
+    run(10, 0.0, 2.0)   # all silent now: by this window alone a session costs 0.002 cores
+    # speaking half the time, a session takes 0.04 of cpu0's core: 0.04 n <= 0.9 -> n <= 22
+    refused_at = next(n for n in range(10, 400) if cap.refuse(now, n) is not None)
+    assert refused_at == 22
+    busy = cap.refuse(now, refused_at)
+    assert "cpu0" in busy.message and "speaking 50%" in busy.message and "sessions.speaking_share" in busy.message
+    # the same host judged by its last quiet window alone lets in far more
+    quiet = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
+    for n, t in ((10, 0.5), (10, 1.0), (10, 1.5), (10, 2.0)):
+        quiet.sample(t, {"frontend": t * n * per_session, "cpu0": 0.0}, n)
+    assert quiet.refuse(2.0, 300) is None

@@ -14,6 +14,14 @@ and of each process's one core. A session_open is refused while, with one more s
 Until the window has seen a session (a fresh server, or one whose sessions all closed and whose cost is
 not known yet), at most RAMP sessions per core per window are let in, so that a burst of opens on an idle
 host is measured before it is all admitted. Sessions opened since the window's start count at the last known cost.
+
+A window of mostly silent sessions makes a session look cheap: speech is most of its cost (inference,
+compositing, encoding). So, with `speaking_share` > 0, each process's CPU over the last HISTORY_S is
+also fitted as a cost per open session plus a cost per speech frame sent (least squares over the
+windows, once they have seen the speech rate vary), and a session is also refused while all of them,
+one more included, speaking `speaking_share` of the time would pass the same limits: the host admits
+what it holds when its sessions speak, not what it holds in a quiet moment.
+
 The numbers come in through `sample`, so the rule runs on a test's clock with made-up loads.
 """
 
@@ -24,8 +32,12 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
+import numpy as np
+
 SAMPLE_S = 0.5
 RAMP = 8     # sessions admitted per core per window while no session's cost has been measured
+HISTORY_S = 60.0   # the windows the speech model is fitted over
+MIN_FIT = 8        # ... at least this many, with speech in half of them
 
 
 @dataclass(frozen=True)
@@ -50,22 +62,30 @@ class Load:
 
 class Capacity:
     def __init__(self, cores: float, max_load: float, max_process_load: float, window_s: float = 2.0,
-                 single_threaded: Callable[[str], bool] = lambda name: True):
+                 single_threaded: Callable[[str], bool] = lambda name: True, speaking_share: float = 0.0,
+                 fps: float = 25.0):
         self.cores, self.max_load, self.max_process_load = cores, max_load, max_process_load
         self.window_s = window_s
         self._single = single_threaded
-        self._samples: collections.deque = collections.deque()   # (t, {process: cpu seconds}, sessions)
+        self.speaking_share, self.fps = speaking_share, fps
+        self._samples: collections.deque = collections.deque()   # (t, {process: cpu seconds}, sessions, speech)
         self.load: Optional[Load] = None
         self.cost: Optional[Load] = None    # one session's share: cores per process, last measured
         self._admitted: collections.deque = collections.deque()  # when sessions were let in unmeasured
+        self._history: collections.deque = collections.deque()   # (t, {process: cores}, sessions, speech frames/s)
+        # the fitted model, per process: cores per open session, and per speech frame per second
+        self.per_session: Optional[dict[str, float]] = None
+        self.per_frame: Optional[dict[str, float]] = None
 
-    def sample(self, now: float, cpu_seconds: Mapping[str, float], sessions: int) -> None:
-        """Record the processes' cumulative CPU seconds and the sessions open at `now`."""
+    def sample(self, now: float, cpu_seconds: Mapping[str, float], sessions: int,
+               speech_frames: Optional[int] = None) -> None:
+        """Record the processes' cumulative CPU seconds, the sessions open at `now`, and the speech
+        frames sent so far (cumulative; None: not known)."""
         samples = self._samples
-        samples.append((now, dict(cpu_seconds), sessions))
+        samples.append((now, dict(cpu_seconds), sessions, speech_frames))
         while len(samples) > 2 and now - samples[1][0] >= self.window_s:
             samples.popleft()
-        t0, first, _ = samples[0]
+        t0, first, _, first_speech = samples[0]
         if now - t0 < self.window_s / 2:
             return
         span = now - t0
@@ -73,11 +93,34 @@ class Capacity:
         # a process that (re)started within the window counts from its next sample on
         by_process = {name: (cpu - first[name]) / span if cpu >= first.get(name, float("inf")) else 0.0
                       for name, cpu in cpu_seconds.items()}
-        counts = [s for _, _, s in list(samples)[1:]]   # at the end of each interval the CPU time covers
+        counts = [s[2] for s in list(samples)[1:]]   # at the end of each interval the CPU time covers
         mean_sessions = sum(counts) / len(counts)
         self.load = Load(by_process, mean_sessions)
         if min(counts) >= 1:
             self.cost = Load({name: used / mean_sessions for name, used in by_process.items()}, 1.0)
+        if self.speaking_share > 0 and speech_frames is not None and first_speech is not None:
+            history = self._history
+            history.append((now, by_process, mean_sessions, (speech_frames - first_speech) / span))
+            while history and now - history[0][0] > HISTORY_S:
+                history.popleft()
+            self._fit()
+
+    def _fit(self) -> None:
+        """Each process's CPU as (cores per session) x sessions + (cores per speech frame/s) x speech
+        frames/s, by least squares over the history; kept as it was while the history cannot tell the
+        two apart (too few windows, no speech, or speech always in the same proportion)."""
+        rows = [(sessions, speech) for _, _, sessions, speech in self._history if sessions >= 1]
+        if len(rows) < MIN_FIT or sum(speech > 0 for _, speech in rows) < MIN_FIT // 2:
+            return
+        x = np.array(rows, np.float64)
+        if np.linalg.matrix_rank(x, tol=1e-6 * float(np.abs(x).max())) < 2:
+            return
+        names = {name for _, by_process, _, _ in self._history for name in by_process}
+        used = np.array([[by_process.get(name, 0.0) for name in sorted(names)]
+                         for _, by_process, sessions, _ in self._history if sessions >= 1])
+        coef = np.clip(np.linalg.lstsq(x, used, rcond=None)[0], 0.0, None)   # [2, processes]
+        self.per_session = dict(zip(sorted(names), coef[0].tolist()))
+        self.per_frame = dict(zip(sorted(names), coef[1].tolist()))
 
     def refuse(self, now: float, sessions: int) -> Optional[Busy]:
         """Busy if one more session than the `sessions` open now would overfill the host; else None."""
@@ -105,6 +148,25 @@ class Capacity:
                 return Busy(f"{name} would use {projected:.0%} of its core with {sessions + 1} sessions (now "
                             f"{used:.0%}; sessions.max_process_load {self.max_process_load:g}); retry later or "
                             "open on another server", retry)
+        return self._refuse_speaking(sessions + 1, retry)
+
+    def _refuse_speaking(self, n: int, retry: float) -> Optional[Busy]:
+        """Busy if n sessions, each speaking `speaking_share` of the time, would overfill the host by the
+        fitted model."""
+        if self.per_session is None:
+            return None
+        rate = self.speaking_share * self.fps
+        each = {name: self.per_session[name] + self.per_frame[name] * rate for name in self.per_session}
+        total = n * sum(each.values())
+        why = (f"with {n} sessions, each speaking {self.speaking_share:.0%} of the time (sessions.speaking_share), "
+               f"by what speech costs here ({1000 * sum(self.per_frame.values()):.1f} ms of CPU per speech frame)")
+        if total > self.max_load * self.cores:
+            return Busy(f"this server's processes would use {total:.2f} of its {self.cores:g} cores {why}; "
+                        f"sessions.max_cpu_load {self.max_load:g}; retry later or open on another server", retry)
+        for name, used in each.items():
+            if self._single(name) and n * used > self.max_process_load:
+                return Busy(f"{name} would use {n * used:.0%} of its core {why}; sessions.max_process_load "
+                            f"{self.max_process_load:g}; retry later or open on another server", retry)
         return None
 
 

@@ -103,8 +103,10 @@ class Live:
         self.cfg = config.sessions
         self._cpu = cpu
         self.capacity = (Capacity(cores or host_cores(), self.cfg.max_cpu_load, self.cfg.max_process_load,
-                                  single_threaded=lambda name: not name.startswith("gpu"))
+                                  single_threaded=lambda name: not name.startswith("gpu"),
+                                  speaking_share=self.cfg.speaking_share, fps=self.cfg.fps)
                          if cpu is not None and self.cfg.max_cpu_load > 0 else None)
+        self._speech_sent = 0   # speech frames rendered and sent, all sessions (what the capacity model fits)
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
         self.shedder = Shedder() if self.cfg.shed_speech else None
         self._shed_timer: Any = None   # the next shedding window, while sessions are open
@@ -233,7 +235,7 @@ class Live:
 
     def _sample(self) -> None:
         now = self.clock.now()
-        self.capacity.sample(now, self._cpu(), len(self.table))
+        self.capacity.sample(now, self._cpu(), len(self.table), self._speech_sent)
         if self.capacity.load is not None:
             self._cpu_load.set(self.capacity.load.total / self.capacity.cores)
         self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
@@ -516,4 +518,6 @@ class Live:
             counted["missed"].inc()
         elif frame.shed:
             counted["shed"].inc()
+        elif frame.kind == "speech":
+            self._speech_sent += 1
         return True
