@@ -146,3 +146,17 @@ def test_a_shed_pcm_session_keeps_every_sample():
     out = session.advance(session.due(first + 30))
     audio = b"".join(f.audio for f in out if f.audio is not None)
     assert audio[:len(pcm)] == pcm and not any(f.missed for f in out)
+
+
+def test_a_shed_features_session_whose_frame_went_out_before_its_rows_came():
+    """features mode infers frame j once row j+7 is in: a frame already sent by then is not an error."""
+    session = _session("features")
+    session.shed = HALF
+    rows = np.ones((4, 32), np.float32)
+    first, ready = session.features(rows, last=False, now=0.0, audio_shape=(16, 32))
+    assert ready == []   # rows 0-3 wait for the look-ahead
+    session.advance(session.due(first + 1))   # frames first, first + 1 go out (missed) meanwhile
+    _, ready = session.features(np.ones((8, 32), np.float32), last=True, now=session.due(first + 1),
+                                audio_shape=(16, 32))
+    rendered = [k for frames, _ in ready for k in frames]
+    assert first + 2 in rendered and first + 3 not in rendered, "every other frame of those still to come"

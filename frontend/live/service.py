@@ -241,8 +241,8 @@ class Live:
         self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
 
     def _shed(self) -> None:
-        """A shedding window (live/shedding.py): the newest speaking session gives up a step of its speech
-        when frames were missed, late or tight; a step is given back after calm windows."""
+        """A shedding window (live/shedding.py): the newest speaking sessions give up a step of their speech
+        when frames were missed, late or tight; steps are given back after calm windows."""
         sessions = self.table.sessions()   # oldest first
         changes = self.shedder.window(sessions)
         if changes:

@@ -306,9 +306,9 @@ class LiveSession:
         """Whether speech frame k goes to inference: all of them, unless the host sheds this session's
         speech (live/shedding.py): at HALF every other one (the one between repeats it), at NONE none
         (they go out idle, with their audio)."""
-        if self.shed == FULL:
+        speech = self.speech.get(k)
+        if self.shed == FULL or speech is None:   # (features: its frame may have gone out before its rows came)
             return True
-        speech = self.speech[k]
         before = self.speech.get(k - 1)
         if self.shed == HALF and (before is None or before.utterance != speech.utterance or before.repeat
                                   or before.shed or before.tail):
