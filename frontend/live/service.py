@@ -41,6 +41,7 @@ RENDER_TIMEOUT_S = 10.0
 PACER_SLACK_S = 0.004      # frames due this soon go out with the frames due now (one tick for many sessions)
 MIN_FPS = 1.0             # the slowest stream a session keeps (header.fps, sessions.fps)
 BUSY_RETRY_S = 2.0        # sessions.max_sessions reached: when to ask again
+LOGGED_CHANGES = 5        # sessions named in a shedding window's log line
 
 
 @dataclass
@@ -245,10 +246,13 @@ class Live:
         when frames were missed, late or tight; steps are given back after calm windows."""
         sessions = self.table.sessions()   # oldest first
         changes = self.shedder.window(sessions)
-        if changes:
-            log.warning("%s (%d of %d sessions shed)", "; ".join(
-                f"session {c.token}: speech {LEVELS[c.level]}, {'the host is full' if c.full else 'calm again'}"
-                for c in changes), sum(s.shed > 0 for s in sessions), len(sessions))
+        if changes:   # one line a window, however many sessions changed
+            shown = ", ".join(f"{c.token} {LEVELS[c.level]}" for c in changes[:LOGGED_CHANGES])
+            more = f" and {len(changes) - LOGGED_CHANGES} more" if len(changes) > LOGGED_CHANGES else ""
+            log.warning("%s: speech of %d session(s) %s: %s%s (%d of %d sessions shed)",
+                        "the host is full" if changes[0].full else "calm again", len(changes),
+                        "shed" if changes[0].full else "given back", shown, more,
+                        sum(s.shed > 0 for s in sessions), len(sessions))
         self._shedding.set(sum(s.shed > 0 for s in sessions))
         self._shed_timer = self.clock.call_at(self.clock.now() + WINDOW_S, self._shed) if sessions else None
 
