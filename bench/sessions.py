@@ -74,8 +74,7 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
     s, refusals = await _admitted(endpoint, fmt, mode, admit_s)
     if s is None:
         return {"refused": True, "busy": refusals}
-    # NOTE: `s` is open already (`_admitted`): entering it again would open a second session
-    try:
+    async with s:   # (open already: entering it again is the same session)
         async def drain():
             while True:
                 _, image, _ = await s.frames.get()
@@ -111,8 +110,6 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
         stats = await s.close()
         reader.cancel()
         return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9), "busy": refusals}
-    finally:
-        await s.__aexit__(None, None, None)
 
 
 async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",

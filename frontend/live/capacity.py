@@ -109,18 +109,18 @@ class Capacity:
         """Each process's CPU as (cores per session) x sessions + (cores per speech frame/s) x speech
         frames/s, by least squares over the history; kept as it was while the history cannot tell the
         two apart (too few windows, no speech, or speech always in the same proportion)."""
-        rows = [(sessions, speech) for _, _, sessions, speech in self._history if sessions >= 1]
-        if len(rows) < MIN_FIT or sum(speech > 0 for _, speech in rows) < MIN_FIT // 2:
+        windows = [(by_process, sessions, speech) for _, by_process, sessions, speech in self._history
+                   if sessions >= 1]
+        if len(windows) < MIN_FIT or sum(speech > 0 for _, _, speech in windows) < MIN_FIT // 2:
             return
-        x = np.array(rows, np.float64)
+        x = np.array([(sessions, speech) for _, sessions, speech in windows], np.float64)
         if np.linalg.matrix_rank(x, tol=1e-6 * float(np.abs(x).max())) < 2:
             return
-        names = {name for _, by_process, _, _ in self._history for name in by_process}
-        used = np.array([[by_process.get(name, 0.0) for name in sorted(names)]
-                         for _, by_process, sessions, _ in self._history if sessions >= 1])
+        names = sorted({name for by_process, _, _ in windows for name in by_process})
+        used = np.array([[by_process.get(name, 0.0) for name in names] for by_process, _, _ in windows])
         coef = np.clip(np.linalg.lstsq(x, used, rcond=None)[0], 0.0, None)   # [2, processes]
-        self.per_session = dict(zip(sorted(names), coef[0].tolist()))
-        self.per_frame = dict(zip(sorted(names), coef[1].tolist()))
+        self.per_session = dict(zip(names, coef[0].tolist()))
+        self.per_frame = dict(zip(names, coef[1].tolist()))
 
     def refuse(self, now: float, sessions: int) -> Optional[Busy]:
         """Busy if one more session than the `sessions` open now would overfill the host; else None."""

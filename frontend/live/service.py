@@ -246,14 +246,14 @@ class Live:
         when frames were missed, late or tight; steps are given back after calm windows."""
         sessions = self.table.sessions()   # oldest first
         changes = self.shedder.window(sessions)
+        shed = sum(s.shed > 0 for s in sessions)
         if changes:   # one line a window, however many sessions changed
             shown = ", ".join(f"{c.token} {LEVELS[c.level]}" for c in changes[:LOGGED_CHANGES])
             more = f" and {len(changes) - LOGGED_CHANGES} more" if len(changes) > LOGGED_CHANGES else ""
             log.warning("%s: speech of %d session(s) %s: %s%s (%d of %d sessions shed)",
                         "the host is full" if changes[0].full else "calm again", len(changes),
-                        "shed" if changes[0].full else "given back", shown, more,
-                        sum(s.shed > 0 for s in sessions), len(sessions))
-        self._shedding.set(sum(s.shed > 0 for s in sessions))
+                        "shed" if changes[0].full else "given back", shown, more, shed, len(sessions))
+        self._shedding.set(shed)
         self._shed_timer = self.clock.call_at(self.clock.now() + WINDOW_S, self._shed) if sessions else None
 
     def _check_open(self, opening: "Opening") -> None:
