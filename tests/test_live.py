@@ -19,6 +19,8 @@ from config import parse_config
 from lipsync_client import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
+from frontend.live.h264_sessions import LoopJob
+from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES
 from frontend.live.service import Live, Pin
 from frontend.live.speech import SpeechBatch
 from frontend.metrics import Metrics
@@ -413,6 +415,31 @@ def test_h264_sessions_opened_together_are_spread_over_the_compositors():
     assert live.handle(_call("session_open", Peer("late"), model="a", format="h264"), []) is None
     placed = [o.session.h264.compositor for o in live._opening.values()]
     assert sorted(placed.count(c) for c in (0, 1)) == [10, 10], placed
+
+
+def test_h264_speech_is_due_when_its_frame_is_decided_not_when_it_goes_out():
+    """An H.264 frame is decided (and sent to its encoder) ENCODE_AHEAD_FRAMES before it goes out: its
+    speech must be ready by then. Speech requests carry that time as deadline and due, so that the
+    engine and the compositors put them before encodes due later (they carried the send time: a busy
+    compositor did encodes first and speech missed its decision)."""
+    live, host, clock = _live()
+    peer = Peer("h")
+    assert live.handle(_call("session_open", peer, model="a", format="h264"), []) is None
+    for r in host.of(Kind.LOAD, Pin):
+        r.results = [SimpleNamespace(worker=0)]
+        _done(r)
+    for r in host.of(Kind.RENDER, LoopJob):   # the idle loop's chunks, encoded
+        r.images = {0: [b"au"] * r.batch}
+        _done(r)
+    session = live.table.get(_replies(host, peer)[-1]["session"])
+    ahead = ENCODE_AHEAD_FRAMES / FPS
+    assert session.ahead == pytest.approx(ahead)
+    first = _audio(live, peer, session.token, 3)["first_frame"]
+    clock.advance(1 / FPS)
+    frames = [first, first + 1, first + 2]
+    [r] = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert r.deadline == pytest.approx(session.due(frames[-1]) - ahead)
+    assert r.inputs.due == pytest.approx(session.due(frames[0]) - ahead)
 
 
 def test_a_full_host_sheds_the_newest_speaking_sessions_speech_first():

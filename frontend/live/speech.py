@@ -69,7 +69,7 @@ class SpeechBatcher:
     def windows(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
         """Speech windows of every session on the same model (and output format) share a batch."""
         key = self._key(session, -1)
-        items = [(session.token, k, session.background(k), session.due(k), w, session.utterance_at(k))
+        items = [(session.token, k, session.background(k), session.needed_by(k), w, session.utterance_at(k))
                  for k, w in zip(frames, windows)]
         self._queue(key, items, lambda part: self._submit_batch(key, part), session)
 
@@ -112,9 +112,9 @@ class SpeechBatcher:
         encoder_inputs = inputs
         inputs = Inputs(spec.id, spec.version, backgrounds, np.ascontiguousarray(encoder_inputs, "<f4").tobytes(),
                         "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
-                        quality=quality, enqueued=self.clock.now(), due=session.due(frames[0]))
+                        quality=quality, enqueued=self.clock.now(), due=session.needed_by(frames[0]))
         targets = [(session.token, k, session.utterance_at(k)) for k in frames]
-        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.due(frames[-1]),
+        request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.needed_by(frames[-1]),
                           work=SpeechBatch(targets, fmt, self), inputs=inputs)
         session.submitted(frames, inputs.enqueued)
         self.host.submit(request)

@@ -163,6 +163,12 @@ class LiveSession:
     def due(self, k: int) -> float:
         return self.t0 + k / self.fps
 
+    def needed_by(self, k: int) -> float:
+        """When frame k's speech must be ready: it is decided `ahead` of due (h264: to encode it), and
+        a speech frame ready after that goes out idle. Speech requests carry it as their deadline and
+        due, so inference and compositing put them in order by it among the encodes due meanwhile."""
+        return self.due(k) - self.ahead
+
     def background(self, k: int) -> int:
         return frame_index(self.start_frame + k, self.n_backgrounds, self.order)
 
@@ -387,7 +393,7 @@ class LiveSession:
     def advance(self, now: float) -> list[Outgoing]:
         """Every frame due by `now` + `ahead`, in order: speech when ready, else idle (speech missed)."""
         out = []
-        while self.due(self.next_index) - self.ahead <= now:
+        while self.needed_by(self.next_index) <= now:
             k = self.next_index
             speech = self.speech.pop(k, None)
             if speech is not None and (speech.repeat or speech.shed):   # the host sheds this session's speech
@@ -398,7 +404,7 @@ class LiveSession:
                                     last=speech.last, shed=True))
             elif speech is not None and speech.image is not None:
                 self.meter.speech += 1
-                if self.due(k) - self.ahead - speech.ready_at < 1 / self.fps:
+                if self.needed_by(k) - speech.ready_at < 1 / self.fps:
                     self.meter.tight += 1
                 self._said = (speech.utterance, speech.image)
                 out.append(Outgoing(k, "speech", self.background(k), speech.image, self.due(k), speech.received,
@@ -459,7 +465,7 @@ class SessionTable:
 
     def schedule(self, session: LiveSession) -> None:
         """Queue the session for when its next frame is due (after it has sent what was due)."""
-        heapq.heappush(self._due, (session.due(session.next_index) - session.ahead, session.token))
+        heapq.heappush(self._due, (session.needed_by(session.next_index), session.token))
 
     def wake(self, session: LiveSession, when: float) -> None:
         """Also take the session off the queue at `when` (an H.264 unit waiting to be sent)."""
