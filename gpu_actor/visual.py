@@ -4,10 +4,13 @@
     M = R with M[5:310, 5:315] = 0           (cv2.rectangle((5, 5, 310, 305)) filled black)
     visual = concat(R / 255, M / 255) in CHW, unmasked first, float32
 
-One write per frame into a buffer allocated once per worker.
+One write per frame into a buffer allocated once per worker, a call's frames at a time (`VisualFrames`),
+just before the model's call reads them.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -23,3 +26,20 @@ def build_visual(crops: list[np.ndarray], out: np.ndarray) -> None:
         np.divide(crop[INNER, INNER].transpose(2, 0, 1), _255, out=out[i, :3], dtype=np.float32)
         out[i, 3:] = out[i, :3]
         out[i, 3:, MASK_ROWS, MASK_COLS] = 0
+
+
+class VisualFrames:
+    """A batch's visual input, built on demand: `frames(start, end)` builds frames [start, end) into the
+    buffer's first rows and returns them (gpu_actor/runner.ModelRunner.run calls it per onnxruntime call,
+    so they are read while still in the cache); `spent_s` is the time building took."""
+
+    def __init__(self, crops: list[np.ndarray], buffer: np.ndarray):
+        self.crops, self.buffer = crops, buffer
+        self.spent_s = 0.0
+
+    def __call__(self, start: int, end: int) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = self.buffer[: end - start]
+        build_visual(self.crops[start:end], out)
+        self.spent_s += time.perf_counter() - t0
+        return out

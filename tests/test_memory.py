@@ -11,7 +11,9 @@ import pytest
 
 from config import audio as A
 from gpu_actor.model_builder import write_audio_encoder
+from gpu_actor import runner as runner_module
 from gpu_actor.runner import ModelRunner
+from gpu_actor.visual import VisualFrames, build_visual
 from tests.helpers import base_config, make_avatar, run_server
 from tests.test_audio import speech_like
 
@@ -24,15 +26,38 @@ def _inputs(batch: int, seed: int = 0):
             rng.standard_normal((batch, 32, 16, 16)).astype(np.float32))
 
 
-def test_sub_batches_give_the_results_of_one_call(tmp_path):
+def test_sub_batches_give_the_results_of_one_call(tmp_path, monkeypatch):
     path = make_avatar(tmp_path, "m", n_frames=1, kind="tiny", seed=5) / "model.onnx"
     whole, split = ModelRunner(path), ModelRunner(path)
     visual, audio = _inputs(7)
     want, got = np.empty((7, 3, 320, 320), np.float32), np.empty((7, 3, 320, 320), np.float32)
+    monkeypatch.setattr(runner_module, "CPU_CALL_FRAMES", 7)   # the whole batch in one call
     whole.run(visual, audio, want)
     split.max_frames = 3   # 3 + 3 + 1, into the same output buffer
     split.run(visual, audio, got)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_on_the_cpu_a_batch_runs_frame_by_frame_its_visual_input_built_per_call(tmp_path, monkeypatch):
+    """The CPU provider's calls are one frame each (runner.CPU_CALL_FRAMES), each frame's visual input
+    built from its crop just before its call: the results of one call over the whole batch."""
+    path = make_avatar(tmp_path, "m", n_frames=1, kind="tiny", seed=5) / "model.onnx"
+    runner = ModelRunner(path)
+    rng = np.random.default_rng(1)
+    crops = [rng.integers(0, 256, (328, 328, 3), dtype=np.uint8) for _ in range(5)]
+    _, audio = _inputs(5)
+    visual = np.empty((5, 6, 320, 320), np.float32)
+    build_visual(crops, visual)
+    want, got = np.empty((5, 3, 320, 320), np.float32), np.empty((5, 3, 320, 320), np.float32)
+    with monkeypatch.context() as m:
+        m.setattr(runner_module, "CPU_CALL_FRAMES", 5)
+        runner.run(visual, audio, want)
+    calls = []
+    frames = VisualFrames(crops, np.empty((5, 6, 320, 320), np.float32))
+    runner.run(lambda start, end: calls.append((start, end)) or frames(start, end), audio, got)
+    assert calls == [(k, k + 1) for k in range(5)]
+    np.testing.assert_array_equal(got, want)
+    assert frames.spent_s > 0
 
 
 def test_warm_up_sizes_sub_batches_from_the_measured_memory_and_the_budget(tmp_path):
