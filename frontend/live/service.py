@@ -306,7 +306,7 @@ class Live:
                                                 frames=0, utterance=header.utterance, retired=True))
         if session.audio_mode == "pcm16":
             return self._pcm(session, call, audio)
-        per_frame = int(np.prod(spec.audio_shape)) if session.audio_mode == "window" else session.feature_shape[1]
+        per_frame = math.prod(spec.audio_shape) if session.audio_mode == "window" else session.feature_shape[1]
         shape = list(spec.audio_shape) if session.audio_mode == "window" else [per_frame]
         n, rest = divmod(len(audio), 4 * per_frame)
         if rest or not n:

@@ -5,6 +5,7 @@ stats_timeout_s with whatever came)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from typing import Any
@@ -22,7 +23,9 @@ MODELS_WAIT_S = 0.25
 MODELS_WAIT_FOR = 64
 
 
+@functools.cache
 def _version() -> str:
+    """The installed package's version: read once (health is polled, and each read opens METADATA)."""
     try:
         from importlib.metadata import version
         return version("lipsync-serve")

@@ -21,7 +21,6 @@ import time
 from typing import Optional
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from config import Config, resolve_path
@@ -55,7 +54,7 @@ class Frontend(Shell):
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
         self.config, self.run_spec = config, run
         self.device = "cpu"
-        self.ctx = zmq.asyncio.Context.shadow(ctx)
+        self.ctx = ctx
         self.catalog = Catalog(config)
         self.metrics = Metrics()
         self.store_lookups: dict[str, dict[str, int]] = {}   # model -> {"hits", "misses"}
@@ -149,8 +148,8 @@ class Frontend(Shell):
             ring.close()
         if self.auth is not None:
             self.auth.stop()
-        # NOTE: these sockets belong to an asyncio shadow of the process context, whose destroy()
-        # does not know them: close each here, or the context's term() blocks forever.
+        # NOTE: close each socket here (linger 0 for internal ones), so that the context's term() cannot
+        # block on one.
         for sock, monitor in zip(self.clients, self.monitors):
             sock.disable_monitor()
             monitor.close(linger=0)
@@ -260,8 +259,27 @@ class Frontend(Shell):
             self.apply(actions)
 
     async def _read_internal(self) -> None:
-        while True:
-            frames = await self.pull.recv_multipart(copy=False)
+        """The workers' and compositors' messages, read as the clients' are (`_read_clients`)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(self.pull.FD, ready.set)   # edge-triggered: always drain after a wake-up
+        try:
+            while True:
+                if not self._take_internal():
+                    await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
+                    continue
+                await ready.wait()
+                ready.clear()
+        finally:
+            loop.remove_reader(self.pull.FD)
+
+    def _take_internal(self, most: int = 256) -> bool:
+        """Handle the messages waiting; False if `most` were taken and more may wait."""
+        for _ in range(most):
+            try:
+                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
             try:
                 msg = unpack(frames[0].buffer)
                 handle = self._handlers.get(type(msg))
@@ -269,6 +287,7 @@ class Frontend(Shell):
                     handle(msg, frames[1:])
             except Exception:
                 log.exception("internal message handling failed")
+        return False
 
     # -- the engine's actions (the rest: core/shell.py) ------------------------------------------
 
