@@ -154,6 +154,8 @@ class SessionsConfig(_Section):
     max_cpu_load: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.75      # 0: no admission by load
     max_process_load: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
     speaking_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5   # admission: what share of time sessions speak
+    burst_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.01     # admission: bursts passed this share of time
+    max_burst_load: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9    # ... must fit this share of the cores
     shed_speech: bool = True                                            # newest session first, when full
     latency_budget_ms: Annotated[int, msgspec.Meta(ge=40, le=10000)] = 280
     max_chunk_frames: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 50

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.live.capacity import RAMP, Capacity, ProcessCpu, host_cores
+from frontend.live.capacity import RAMP, Capacity, Load, ProcessCpu, host_cores, speaking_at_once
 
 
 class Host:
@@ -146,3 +146,33 @@ def test_sessions_silent_when_one_more_opens_still_count_as_speaking_their_share
     for n, t in ((10, 0.5), (10, 1.0), (10, 1.5), (10, 2.0)):
         quiet.sample(t, {"frontend": t * n * per_session, "cpu0": 0.0}, n)
     assert quiet.refuse(2.0, 300) is None
+
+
+def test_speaking_at_once_is_the_binomial_upper_quantile():
+    assert speaking_at_once(40, 0.27, 0.01) == 18   # P(X > 18) = 0.44 %, P(X > 17) = 1.09 % for X ~ B(40, 0.27)
+    assert speaking_at_once(40, 0.0, 0.01) == 0 and speaking_at_once(40, 1.0, 0.01) == 40
+    assert speaking_at_once(0, 0.5, 0.01) == 0
+    assert speaking_at_once(5000, 0.27, 0.01) > 5000 * 0.27   # no underflow on a large host
+
+
+def test_a_host_full_when_sessions_speak_together_refuses_before_the_average_says_so():
+    """Sessions speak when their users' conversations have them speak: sometimes many at once. With
+    sessions.burst_share, the number speaking at once that is passed only that share of the time must
+    fit under max_burst_load of the cores, which refuses sooner than the average (max_cpu_load) does."""
+    def filled(burst_share: float) -> tuple[int, Capacity]:
+        cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9, speaking_share=0.27, fps=25,
+                       burst_share=burst_share, max_burst_load=0.9)
+        cap.per_session = {"frontend": 0.001, "cpu0": 0.0, "cpu1": 0.0}
+        cap.per_frame = {"frontend": 0.0004, "cpu0": 0.0018, "cpu1": 0.0018}   # 4 ms of CPU per speech frame
+        idle = {"frontend": 0.0, "cpu0": 0.0, "cpu1": 0.0}
+        cap.load, cap.cost = Load(idle, 1.0), Load({**idle, "frontend": 0.001}, 1.0)
+        return next(n for n in range(1, 500) if cap.refuse(0.0, n - 1) is not None) - 1, cap
+
+    average, _ = filled(0.0)
+    assert average == 53   # (0.001 + 0.004 x 25 x 0.27) n <= 0.75 x 2
+    bursts, cap = filled(0.01)
+    # k(n) speaking at once: 0.001 n + 0.1 k <= 1.8, k = speaking_at_once(n, 0.27, 0.01)
+    assert bursts == max(n for n in range(1, 100) if 0.001 * n + 0.1 * speaking_at_once(n, 0.27, 0.01) <= 1.8)
+    assert bursts < average
+    busy = cap.refuse(0.0, bursts)
+    assert "sessions.burst_share" in busy.message and "sessions.max_burst_load" in busy.message

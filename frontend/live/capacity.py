@@ -22,12 +22,20 @@ windows, once they have seen the speech rate vary), and a session is also refuse
 one more included, speaking `speaking_share` of the time would pass the same limits: the host admits
 what it holds when its sessions speak, not what it holds in a quiet moment.
 
+Sessions do not take turns: each speaks when its user's conversation has it speak, so at times more of
+them speak at once than `speaking_share` says, and a host full on average loses speech in those
+bursts. With `burst_share` > 0, a session is also refused while the number of the n sessions speaking
+at once that is passed only `burst_share` of the time (each speaking `speaking_share` of the time on
+its own: the binomial distribution's upper quantile) would take the processes past `max_burst_load` of
+the cores, or one single-threaded process past its core.
+
 The numbers come in through `sample`, so the rule runs on a test's clock with made-up loads.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -63,11 +71,12 @@ class Load:
 class Capacity:
     def __init__(self, cores: float, max_load: float, max_process_load: float, window_s: float = 2.0,
                  single_threaded: Callable[[str], bool] = lambda name: True, speaking_share: float = 0.0,
-                 fps: float = 25.0):
+                 fps: float = 25.0, burst_share: float = 0.0, max_burst_load: float = 1.0):
         self.cores, self.max_load, self.max_process_load = cores, max_load, max_process_load
         self.window_s = window_s
         self._single = single_threaded
         self.speaking_share, self.fps = speaking_share, fps
+        self.burst_share, self.max_burst_load = burst_share, max_burst_load
         self._samples: collections.deque = collections.deque()   # (t, {process: cpu seconds}, sessions, speech)
         self.load: Optional[Load] = None
         self.cost: Optional[Load] = None    # one session's share: cores per process, last measured
@@ -167,7 +176,44 @@ class Capacity:
             if self._single(name) and n * used > self.max_process_load:
                 return Busy(f"{name} would use {n * used:.0%} of its core {why}; sessions.max_process_load "
                             f"{self.max_process_load:g}; retry later or open on another server", retry)
+        return self._refuse_burst(n, retry)
+
+    def _refuse_burst(self, n: int, retry: float) -> Optional[Busy]:
+        """Busy if, when as many of n sessions speak at once as is passed only `burst_share` of the time,
+        the processes would pass `max_burst_load` of the cores, or one of them its core."""
+        if not self.burst_share:
+            return None
+        k = speaking_at_once(n, self.speaking_share, self.burst_share)
+        rate = k * self.fps
+        used = {name: n * self.per_session[name] + rate * self.per_frame[name] for name in self.per_session}
+        why = (f"when {k} of {n} sessions speak at once (more do {self.burst_share:.1%} of the time, "
+               f"sessions.burst_share, each speaking {self.speaking_share:.0%} of the time)")
+        total = sum(used.values())
+        if total > self.max_burst_load * self.cores:
+            return Busy(f"this server's processes would use {total:.2f} of its {self.cores:g} cores {why}; "
+                        f"sessions.max_burst_load {self.max_burst_load:g}; retry later or open on another server",
+                        retry)
+        for name, cores in used.items():
+            if self._single(name) and cores > 1.0:
+                return Busy(f"{name} would need {cores:.0%} of its one core {why}; retry later or open on another "
+                            "server", retry)
         return None
+
+
+def speaking_at_once(n: int, share: float, exceeded: float) -> int:
+    """The fewest of n sessions, each speaking `share` of the time on its own, that more speak at once only
+    `exceeded` of the time: the smallest k with P(X > k) <= exceeded, X ~ Binomial(n, share)."""
+    if n <= 0 or share <= 0:
+        return 0
+    if share >= 1:
+        return n
+    log_p, log_q = math.log(share), math.log1p(-share)
+    cdf = 0.0
+    for k in range(n + 1):
+        cdf += math.exp(math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_p + (n - k) * log_q)
+        if 1.0 - cdf <= exceeded:
+            return k
+    return n
 
 
 def host_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> float:

@@ -105,7 +105,8 @@ class Live:
         self._cpu = cpu
         self.capacity = (Capacity(cores or host_cores(), self.cfg.max_cpu_load, self.cfg.max_process_load,
                                   single_threaded=lambda name: not name.startswith("gpu"),
-                                  speaking_share=self.cfg.speaking_share, fps=self.cfg.fps)
+                                  speaking_share=self.cfg.speaking_share, fps=self.cfg.fps,
+                                  burst_share=self.cfg.burst_share, max_burst_load=self.cfg.max_burst_load)
                          if cpu is not None and self.cfg.max_cpu_load > 0 else None)
         self._speech_sent = 0   # speech frames rendered and sent, all sessions (what the capacity model fits)
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
