@@ -494,3 +494,28 @@ def test_a_full_host_sheds_the_newest_speaking_sessions_speech_first():
     clock.advance(2 * WINDOW_S)
     assert live.shedder.steps == [] and [s.shed for s in sessions[:2]] == [FULL, FULL]
     assert live.metrics.sessions_shed._value.get() == 0
+
+
+def test_a_session_that_starts_to_speak_past_what_the_host_holds_is_shed_before_anything_is_late():
+    """Where the host's costs are fitted (live/capacity.py), it knows how many sessions it holds speaking
+    at once: one more starting to speak makes the newest speaking give up their speech at once, before
+    any frame is late; the oldest keep every frame. With admission off (sessions.max_cpu_load 0) too."""
+    from frontend.live.shedding import FULL, NONE
+    config = parse_config({"sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, "max_cpu_load": 0,
+                                        "max_queued_frames": 1000}})
+    host, clock = RecordingHost(), VirtualClock()
+    live = Live(host, config, Metrics(), clock=clock, cpu=lambda: {"frontend": 0.0, "cpu0": 0.0}, cores=2)
+    peers = [Peer(f"s{i}") for i in range(3)]
+    tokens = [_open(live, p) for p in peers]   # oldest first
+    sessions = [live.table.get(t) for t in tokens]
+    assert live.capacity.speakers_held(3) is None, "nothing fitted: nothing known to hold"
+    # made-up fitted costs: 18 ms of cpu0 per speech frame, so its one core holds 2 speaking at 25 fps
+    live.capacity.per_session, live.capacity.per_frame = {"frontend": 0.0, "cpu0": 0.0}, {"frontend": 0.0, "cpu0": 0.018}
+    assert live.capacity.speakers_held(3) == 2
+    for p, t in zip(peers, tokens):
+        _audio(live, p, t, 4)
+    assert [s.shed for s in sessions] == [FULL, FULL, NONE], "the third to start speaking is shed at once"
+    clock.advance(1 / FPS)
+    rendered = [token for r in host.of(Kind.COMPOSITE, SpeechBatch) for token, _, _ in r.work.targets]
+    assert sorted(set(rendered)) == sorted(tokens[:2]) and len(rendered) == 8, "its speech is never rendered"
+    assert all(s.stats.missed == 0 for s in sessions)

@@ -41,6 +41,25 @@ def test_a_missed_frame_sheds_the_newest_speaking_session_never_the_oldest():
     assert (a.shed, b.shed, c.shed) == (FULL, NONE, HALF)
 
 
+def test_past_the_speakers_the_host_holds_the_newest_give_up_their_speech_before_it_is_late():
+    """`crowd`: when one more session starts to speak than the host can hold speaking at once, the newest
+    speaking go to NONE at once (not a window after their frames were late); never the oldest; and no
+    step comes back while there is no room for it."""
+    a, b, c, d = sessions = [Fake("a"), Fake("b"), Fake("c"), Fake("d")]   # oldest first
+    shedder = Shedder()
+    assert shedder.crowd([a, b, c], held=3) == []
+    changes = shedder.crowd([a, b, c, d], held=2)
+    assert [(ch.token, ch.level, ch.full) for ch in changes] == [("d", NONE, True), ("c", NONE, True)]
+    assert shedder.crowd([a], held=0) == [], "the oldest speaking keeps its speech"
+    for _ in range(CALM_WINDOWS + 2):   # calm, but the host holds no one more speaking
+        assert shedder.window(sessions, room=0) == []
+    back = [(ch.token, ch.level) for _ in range(4) for ch in shedder.window(sessions, room=1)]
+    assert back == [("c", HALF), ("c", FULL), ("d", HALF), ("d", FULL)], "the last shed first, a step a window"
+    whole = Fake("w")
+    whole.shed_whole = True   # (h264) straight back to FULL: one step
+    assert shedder.crowd([a, whole], held=1)[0].level == NONE and shedder.steps == ["w"]
+
+
 def test_as_many_sessions_step_down_as_the_share_of_speech_in_trouble():
     sessions = [Fake(f"s{i}") for i in range(10)]
     shedder = Shedder()

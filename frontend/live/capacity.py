@@ -16,11 +16,14 @@ not known yet), at most RAMP sessions per core per window are let in, so that a 
 host is measured before it is all admitted. Sessions opened since the window's start count at the last known cost.
 
 A window of mostly silent sessions makes a session look cheap: speech is most of its cost (inference,
-compositing, encoding). So, with `speaking_share` > 0, each process's CPU over the last HISTORY_S is
-also fitted as a cost per open session plus a cost per speech frame sent (least squares over the
-windows, once they have seen the speech rate vary), and a session is also refused while all of them,
+compositing, encoding). So each process's CPU over the last HISTORY_S is also fitted as a cost per
+open session plus a cost per speech frame sent (least squares over the windows, once they have seen
+the speech rate vary), and, with `speaking_share` > 0, a session is also refused while all of them,
 one more included, speaking `speaking_share` of the time would pass the same limits: the host admits
 what it holds when its sessions speak, not what it holds in a quiet moment.
+
+The same fit says how many sessions can speak at once (`speakers_held`): shedding
+(live/shedding.py) sheds a session that starts to speak past it, before its speech is late.
 
 Sessions do not take turns: each speaks when its user's conversation has it speak, so at times more of
 them speak at once than `speaking_share` says, and a host full on average loses speech in those
@@ -107,7 +110,7 @@ class Capacity:
         self.load = Load(by_process, mean_sessions)
         if min(counts) >= 1:
             self.cost = Load({name: used / mean_sessions for name, used in by_process.items()}, 1.0)
-        if self.speaking_share > 0 and speech_frames is not None and first_speech is not None:
+        if speech_frames is not None and first_speech is not None:
             history = self._history
             history.append((now, by_process, mean_sessions, (speech_frames - first_speech) / span))
             while history and now - history[0][0] > HISTORY_S:
@@ -162,7 +165,7 @@ class Capacity:
     def _refuse_speaking(self, n: int, retry: float) -> Optional[Busy]:
         """Busy if n sessions, each speaking `speaking_share` of the time, would overfill the host by the
         fitted model."""
-        if self.per_session is None:
+        if self.per_session is None or not self.speaking_share:
             return None
         rate = self.speaking_share * self.fps
         each = {name: self.per_session[name] + self.per_frame[name] * rate for name in self.per_session}
@@ -198,6 +201,23 @@ class Capacity:
                 return Busy(f"{name} would need {cores:.0%} of its one core {why}; retry later or open on another "
                             "server", retry)
         return None
+
+
+    def speakers_held(self, n: int) -> Optional[int]:
+        """How many of n open sessions can speak at once within `max_burst_load` of the cores (and each
+        single-threaded process within its core), by the fitted costs; None until they are fitted.
+        Shedding asks it when a session starts to speak (live/shedding.py)."""
+        if self.per_session is None:
+            return None
+        held = float(n)
+        room = self.max_burst_load * self.cores - n * sum(self.per_session.values())
+        per_speaker = self.fps * sum(self.per_frame.values())
+        if per_speaker > 0:
+            held = min(held, room / per_speaker)
+        for name, per_frame in self.per_frame.items():
+            if self._single(name) and per_frame > 0:
+                held = min(held, (1.0 - n * self.per_session[name]) / (self.fps * per_frame))
+        return max(math.floor(held), 0)
 
 
 def speaking_at_once(n: int, share: float, exceeded: float) -> int:

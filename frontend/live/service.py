@@ -28,7 +28,7 @@ from frontend.live.capacity import SAMPLE_S, Capacity, host_cores
 from frontend.live.h264_sessions import H264Sessions
 from frontend.live.host import Host, OpenCall
 from frontend.live.idle import IdleCache, frame_bytes
-from frontend.live.shedding import LEVELS, WINDOW_S, Shedder
+from frontend.live.shedding import LEVELS, NONE, WINDOW_S, Shedder
 from frontend.live.speech import SpeechBatcher
 from frontend.live.timeline import LiveSession, SessionTable
 from shm.codes import ErrorCode
@@ -107,7 +107,7 @@ class Live:
                                   single_threaded=lambda name: not name.startswith("gpu"),
                                   speaking_share=self.cfg.speaking_share, fps=self.cfg.fps,
                                   burst_share=self.cfg.burst_share, max_burst_load=self.cfg.max_burst_load)
-                         if cpu is not None and self.cfg.max_cpu_load > 0 else None)
+                         if cpu is not None and (self.cfg.max_cpu_load > 0 or self.cfg.shed_speech) else None)
         self._speech_sent = 0   # speech frames rendered and sent, all sessions (what the capacity model fits)
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
         self.shedder = Shedder() if self.cfg.shed_speech else None
@@ -230,6 +230,8 @@ class Live:
             return
         if self._sampler is None:
             self._sample()
+        if not self.cfg.max_cpu_load:   # measured for shedding only
+            return
         busy = self.capacity.refuse(self.clock.now(), opened)
         if busy is not None:
             self._refused.inc()
@@ -246,7 +248,31 @@ class Live:
         """A shedding window (live/shedding.py): the newest speaking sessions give up a step of their speech
         when frames were missed, late or tight; steps are given back after calm windows."""
         sessions = self.table.sessions()   # oldest first
-        changes = self.shedder.window(sessions)
+        now = self.clock.now()
+        held = self.capacity.speakers_held(len(sessions)) if self.capacity is not None else None
+        room = None if held is None else held - len(self._speaking(sessions, now))
+        changes = self.shedder.window(sessions, room)
+        self._log_shed(changes, sessions)
+        self._shed_timer = self.clock.call_at(now + WINDOW_S, self._shed) if sessions else None
+
+    def _crowd(self, session: LiveSession, now: float) -> None:
+        """A session starting to speak past the sessions the host can hold speaking at once: the newest
+        speaking give up their speech before it is late (live/shedding.py, `Shedder.crowd`)."""
+        if (self.shedder is None or self.capacity is None or session.shed == NONE
+                or session.speech_end > session.now_index(now)):
+            return   # (shed already, or speaking already: counted when it started)
+        sessions = self.table.sessions()
+        held = self.capacity.speakers_held(len(sessions))
+        speaking = [s for s in sessions if s is session or (s.shed < NONE and s.speech_end > s.now_index(now))]
+        if held is not None and len(speaking) > held:
+            self._log_shed(self.shedder.crowd(speaking, held), sessions)
+
+    @staticmethod
+    def _speaking(sessions: list[LiveSession], now: float) -> list[LiveSession]:
+        """The sessions with speech placed ahead of the frame going out, and not shed to nothing."""
+        return [s for s in sessions if s.shed < NONE and s.speech_end > s.now_index(now)]
+
+    def _log_shed(self, changes: list, sessions: list[LiveSession]) -> None:
         shed = sum(s.shed > 0 for s in sessions)
         if changes:   # one line a window, however many sessions changed
             shown = ", ".join(f"{c.token} {LEVELS[c.level]}" for c in changes[:LOGGED_CHANGES])
@@ -255,7 +281,6 @@ class Live:
                         "the host is full" if changes[0].full else "calm again", len(changes),
                         "shed" if changes[0].full else "given back", shown, more, shed, len(sessions))
         self._shedding.set(shed)
-        self._shed_timer = self.clock.call_at(self.clock.now() + WINDOW_S, self._shed) if sessions else None
 
     def _check_open(self, opening: "Opening") -> None:
         """Answer a session_open once its session is ready (`_open`)."""
@@ -324,6 +349,7 @@ class Live:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech would reach {ahead:.1f} s ahead of its "
                                f"stream (sessions.max_ahead_s = {self.cfg.max_ahead_s:g}); send audio in real time",
                                header.id)
+        self._crowd(session, now)
         values = np.frombuffer(audio, "<f4").reshape(n, *shape)
         if session.audio_mode == "window":
             first, ready = session.windows(values, now, header.last, header.utterance)
@@ -346,6 +372,7 @@ class Live:
         if ahead > self.cfg.max_ahead_s:
             raise RequestError(ErrorCode.OVERLOADED, f"this session's speech reaches {ahead:.1f} s ahead of its "
                                f"stream (sessions.max_ahead_s); send audio in real time", header.id)
+        self._crowd(session, now)
         first, frames, ready = session.pcm(bytes(audio), header.last, now, header.utterance)
         self.speech.pcm(session, ready, header.last)
         return P.encode(P.SessionAudioReply(id=header.id, session=session.token, first_frame=first, frames=frames,

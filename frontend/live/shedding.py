@@ -20,6 +20,12 @@ keeps all of its speech). The steps:
 After `CALM_WINDOWS` windows with nothing missed, late or tight, the last step taken is given back,
 then one more each window while it stays calm (a quick step down, a slow one up, as TCP's
 congestion window).
+
+That reacts to speech already late. Where the host's costs are known (live/capacity.py fits a cost per
+speech frame), a session that starts to speak while as many sessions speak as the host can hold at
+once (`Capacity.speakers_held`) is not let to make them all late first: the newest speaking sessions
+past that number give up their speech at once (`crowd`: to NONE), and no step is given back while
+giving it would pass that number again.
 The rule is pure: counts and a session list in, the sessions' levels out (tests/test_shedding.py).
 """
 
@@ -27,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Optional, Protocol
 
 WINDOW_S = 0.5
 CALM_WINDOWS = 6       # windows without pressure before one step is given back
@@ -71,8 +77,21 @@ class Shedder:
         self.calm = 0
         self.settling = False          # steps were taken last window: their effect is not measured yet
 
-    def window(self, sessions: Iterable[Shed]) -> list[Change]:
-        """One window's verdict: the sessions whose level changes. Clears every session's meter."""
+    def crowd(self, speaking: list[Shed], held: int) -> list[Change]:
+        """`speaking`: the sessions speaking once one more starts (oldest first, none shed to NONE); past
+        the `held` the host can hold speaking at once, the newest give up their speech now. Never the
+        oldest one speaking."""
+        over = len(speaking) - max(held, 1)
+        victims = list(reversed(speaking[1:]))[:max(over, 0)]
+        for victim in victims:   # every level it gives up is a step to give back
+            self.steps += [victim.token] * (1 if victim.shed_whole else NONE - victim.shed)
+            victim.shed = NONE
+        return [Change(v.token, NONE, full=True) for v in victims]
+
+    def window(self, sessions: Iterable[Shed], room: Optional[int] = None) -> list[Change]:
+        """One window's verdict: the sessions whose level changes. Clears every session's meter. `room`:
+        how many more sessions the host can hold speaking at once (None: not known); no step is given
+        back without room for it."""
         sessions = list(sessions)
         speech = sum(s.meter.speech for s in sessions)
         missed = sum(s.meter.missed + s.meter.late for s in sessions)
@@ -106,7 +125,7 @@ class Shedder:
             self.calm = 0
             return []
         self.calm += 1
-        if self.calm < CALM_WINDOWS or not self.steps:
+        if self.calm < CALM_WINDOWS or not self.steps or (room is not None and room < 1):
             return []
         # calm long enough: one step back per window while it stays calm, the last taken first
         session = by_token[self.steps.pop()]
