@@ -202,7 +202,6 @@ class Capacity:
                             "server", retry)
         return None
 
-
     def speakers_held(self, n: int) -> Optional[int]:
         """How many of n open sessions can speak at once within `max_burst_load` of the cores (and each
         single-threaded process within its core), by the fitted costs; None until they are fitted.

@@ -263,14 +263,15 @@ class Live:
             return   # (shed already, or speaking already: counted when it started)
         sessions = self.table.sessions()
         held = self.capacity.speakers_held(len(sessions))
-        speaking = [s for s in sessions if s is session or (s.shed < NONE and s.speech_end > s.now_index(now))]
+        speaking = self._speaking(sessions, now, starting=session)
         if held is not None and len(speaking) > held:
             self._log_shed(self.shedder.crowd(speaking, held), sessions)
 
     @staticmethod
-    def _speaking(sessions: list[LiveSession], now: float) -> list[LiveSession]:
-        """The sessions with speech placed ahead of the frame going out, and not shed to nothing."""
-        return [s for s in sessions if s.shed < NONE and s.speech_end > s.now_index(now)]
+    def _speaking(sessions: list[LiveSession], now: float, starting: Optional[LiveSession] = None) -> list:
+        """The sessions with speech placed ahead of the frame going out and not shed to nothing, and
+        `starting` (about to), in the order given."""
+        return [s for s in sessions if s is starting or (s.shed < NONE and s.speech_end > s.now_index(now))]
 
     def _log_shed(self, changes: list, sessions: list[LiveSession]) -> None:
         shed = sum(s.shed > 0 for s in sessions)

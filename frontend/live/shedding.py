@@ -22,10 +22,11 @@ then one more each window while it stays calm (a quick step down, a slow one up,
 congestion window).
 
 That reacts to speech already late. Where the host's costs are known (live/capacity.py fits a cost per
-speech frame), a session that starts to speak while as many sessions speak as the host can hold at
-once (`Capacity.speakers_held`) is not let to make them all late first: the newest speaking sessions
-past that number give up their speech at once (`crowd`: to NONE), and no step is given back while
-giving it would pass that number again.
+speech frame), the host also knows how many sessions it holds speaking at once
+(`Capacity.speakers_held`): when a session starts to speak past that number, the newest speaking
+sessions past it give up their speech at once (`crowd`: to NONE), before any frame is late; and no
+step is given back without room for one more speaking session.
+
 The rule is pure: counts and a session list in, the sessions' levels out (tests/test_shedding.py).
 """
 
