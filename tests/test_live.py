@@ -19,6 +19,7 @@ from config import parse_config
 from lipsync_client import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
+from frontend.live.capacity import Load
 from frontend.live.h264_sessions import LoopJob
 from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES
 from frontend.live.service import Live, Pin
@@ -511,6 +512,9 @@ def test_a_session_that_starts_to_speak_past_what_the_host_holds_is_shed_before_
     assert live.capacity.speakers_held(3) is None, "nothing fitted: nothing known to hold"
     # made-up fitted costs: 18 ms of cpu0 per speech frame, so its one core holds 2 speaking at 25 fps
     live.capacity.per_session, live.capacity.per_frame = {"frontend": 0.0, "cpu0": 0.0}, {"frontend": 0.0, "cpu0": 0.018}
+    live.capacity.load = Load({"frontend": 0.1, "cpu0": 0.3}, 3)   # a host with room: a fit must not shed there
+    assert live.capacity.speakers_held(3) is None
+    live.capacity.load = Load({"frontend": 0.1, "cpu0": 0.9}, 3)   # busy (its core is)
     assert live.capacity.speakers_held(3) == 2
     for p, t in zip(peers, tokens):
         _audio(live, p, t, 4)

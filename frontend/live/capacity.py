@@ -48,6 +48,7 @@ import numpy as np
 SAMPLE_S = 0.5
 RAMP = 8     # sessions admitted per core per window while no session's cost has been measured
 HISTORY_S = 60.0   # the windows the speech model is fitted over
+BUSY_SHARE = 0.5   # speakers_held: only while the processes use this share of max_burst_load of the cores
 MIN_FIT = 8        # ... at least this many, with speech in half of them
 
 
@@ -204,9 +205,12 @@ class Capacity:
 
     def speakers_held(self, n: int) -> Optional[int]:
         """How many of n open sessions can speak at once within `max_burst_load` of the cores (and each
-        single-threaded process within its core), by the fitted costs; None until they are fitted.
-        Shedding asks it when a session starts to speak (live/shedding.py)."""
-        if self.per_session is None:
+        single-threaded process within its core), by the fitted costs. None until they are fitted, and
+        while the processes use less than BUSY_SHARE of that (measured over the last window): a fit that
+        is off must not shed speech on a host with room. Shedding asks it when a session starts to speak
+        (live/shedding.py)."""
+        if self.per_session is None or self.load is None \
+                or self.load.total < BUSY_SHARE * self.max_burst_load * self.cores:
             return None
         held = float(n)
         room = self.max_burst_load * self.cores - n * sum(self.per_session.values())
