@@ -168,17 +168,16 @@ class Capacity:
         fitted model."""
         if self.per_session is None or not self.speaking_share:
             return None
-        rate = self.speaking_share * self.fps
-        each = {name: self.per_session[name] + self.per_frame[name] * rate for name in self.per_session}
-        total = n * sum(each.values())
+        used = self._speech_load(n, n * self.speaking_share)
+        total = sum(used.values())
         why = (f"with {n} sessions, each speaking {self.speaking_share:.0%} of the time (sessions.speaking_share), "
                f"by what speech costs here ({1000 * sum(self.per_frame.values()):.1f} ms of CPU per speech frame)")
         if total > self.max_load * self.cores:
             return Busy(f"this server's processes would use {total:.2f} of its {self.cores:g} cores {why}; "
                         f"sessions.max_cpu_load {self.max_load:g}; retry later or open on another server", retry)
-        for name, used in each.items():
-            if self._single(name) and n * used > self.max_process_load:
-                return Busy(f"{name} would use {n * used:.0%} of its core {why}; sessions.max_process_load "
+        for name, cores in used.items():
+            if self._single(name) and cores > self.max_process_load:
+                return Busy(f"{name} would use {cores:.0%} of its core {why}; sessions.max_process_load "
                             f"{self.max_process_load:g}; retry later or open on another server", retry)
         return self._refuse_burst(n, retry)
 
@@ -188,8 +187,7 @@ class Capacity:
         if not self.burst_share:
             return None
         k = speaking_at_once(n, self.speaking_share, self.burst_share)
-        rate = k * self.fps
-        used = {name: n * self.per_session[name] + rate * self.per_frame[name] for name in self.per_session}
+        used = self._speech_load(n, k)
         why = (f"when {k} of {n} sessions speak at once (more do {self.burst_share:.1%} of the time, "
                f"sessions.burst_share, each speaking {self.speaking_share:.0%} of the time)")
         total = sum(used.values())
@@ -202,6 +200,12 @@ class Capacity:
                 return Busy(f"{name} would need {cores:.0%} of its one core {why}; retry later or open on another "
                             "server", retry)
         return None
+
+    def _speech_load(self, n: int, speaking: float) -> dict[str, float]:
+        """Cores each process would use, by the fitted costs, with n sessions open and `speaking` of them
+        speaking (an average or a count)."""
+        rate = speaking * self.fps
+        return {name: n * self.per_session[name] + rate * self.per_frame[name] for name in self.per_session}
 
     def speakers_held(self, n: int) -> Optional[int]:
         """How many of n open sessions can speak at once within `max_burst_load` of the cores (and each

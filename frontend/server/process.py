@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -201,47 +201,24 @@ class Frontend(Shell):
         self.live.attach_viewer(viewer)
 
     async def _read_clients(self, index: int, sock) -> None:
-        loop = asyncio.get_running_loop()
         ready = self._readable[sock] = asyncio.Event()
-        loop.add_reader(sock.FD, ready.set)   # edge-triggered: always drain after a wake-up
-        try:
-            while True:
-                if not self._take_requests(index, sock):
-                    await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
-                    continue
-                await ready.wait()
-                ready.clear()
-        finally:
-            loop.remove_reader(sock.FD)
+        await _on_wake(sock.FD, lambda: _take(sock, lambda frames: self._request(index, sock, frames)), ready)
 
-    def _take_requests(self, index: int, sock, most: int = 256) -> bool:
-        """Handle the requests waiting on a client socket; False if `most` were taken and more may wait."""
-        for _ in range(most):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            # NOTE: libzmq queues a connection's DISCONNECTED event before it closes the fd, and so
-            # before another connection can be accepted on the same number: taking the events first
-            # means a reused fd is never mistaken for the closed connection.
-            self._connections_closed(index)
-            try:
-                self.intake.request(index, sock, frames)
-            except Exception:  # a bug must not kill the reader
-                log.exception("request handling failed")
-        return False
+    def _request(self, index: int, sock, frames: list) -> None:
+        # NOTE: libzmq queues a connection's DISCONNECTED event before it closes the fd, and so
+        # before another connection can be accepted on the same number: taking the events first
+        # means a reused fd is never mistaken for the closed connection.
+        self._connections_closed(index)
+        try:
+            self.intake.request(index, sock, frames)
+        except Exception:  # a bug must not kill the reader
+            log.exception("request handling failed")
 
     async def _watch_connections(self, index: int, monitor: zmq.Socket) -> None:
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        loop.add_reader(monitor.FD, ready.set)   # edge-triggered: always drain after a wake-up
-        try:
-            while True:
-                self._connections_closed(index)
-                await ready.wait()
-                ready.clear()
-        finally:
-            loop.remove_reader(monitor.FD)
+        def take() -> bool:
+            self._connections_closed(index)
+            return True   # (every event waiting is taken)
+        await _on_wake(monitor.FD, take, asyncio.Event())
 
     def _connections_closed(self, index: int) -> None:
         """End the requests of every connection of ROUTER `index` that has closed."""
@@ -260,34 +237,16 @@ class Frontend(Shell):
 
     async def _read_internal(self) -> None:
         """The workers' and compositors' messages, read as the clients' are (`_read_clients`)."""
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        loop.add_reader(self.pull.FD, ready.set)   # edge-triggered: always drain after a wake-up
-        try:
-            while True:
-                if not self._take_internal():
-                    await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
-                    continue
-                await ready.wait()
-                ready.clear()
-        finally:
-            loop.remove_reader(self.pull.FD)
+        await _on_wake(self.pull.FD, lambda: _take(self.pull, self._internal), asyncio.Event())
 
-    def _take_internal(self, most: int = 256) -> bool:
-        """Handle the messages waiting; False if `most` were taken and more may wait."""
-        for _ in range(most):
-            try:
-                frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return True
-            try:
-                msg = unpack(frames[0].buffer)
-                handle = self._handlers.get(type(msg))
-                if handle is not None:
-                    handle(msg, frames[1:])
-            except Exception:
-                log.exception("internal message handling failed")
-        return False
+    def _internal(self, frames: list) -> None:
+        try:
+            msg = unpack(frames[0].buffer)
+            handle = self._handlers.get(type(msg))
+            if handle is not None:
+                handle(msg, frames[1:])
+        except Exception:
+            log.exception("internal message handling failed")
 
     # -- the engine's actions (the rest: core/shell.py) ------------------------------------------
 
@@ -396,6 +355,34 @@ class Frontend(Shell):
             self.metrics.compositor_depth.labels(str(i)).set(len(c.active))
         for i, n in enumerate(self.live.h264.placed()):
             self.metrics.h264_sessions.labels(str(i)).set(n)
+
+
+async def _on_wake(fd: int, take: Callable[[], bool], ready: asyncio.Event) -> None:
+    """Call `take` (handle what waits on a ZeroMQ socket, without blocking; False when it stopped at its
+    limit with more waiting) now and at each wake-up of the socket's fd. The fd is edge-triggered: each
+    wake-up is drained whole, a burst in turns with the rest of the loop."""
+    loop = asyncio.get_running_loop()
+    loop.add_reader(fd, ready.set)
+    try:
+        while True:
+            if not take():
+                await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
+                continue
+            await ready.wait()
+            ready.clear()
+    finally:
+        loop.remove_reader(fd)
+
+
+def _take(sock: zmq.Socket, handle: Callable[[list], None], most: int = 256) -> bool:
+    """Handle the messages waiting on `sock`; False if `most` were taken and more may wait."""
+    for _ in range(most):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return True
+        handle(frames)
+    return False
 
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
