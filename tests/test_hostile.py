@@ -8,12 +8,15 @@ import shutil
 import struct
 import zlib
 
+import msgspec
 import numpy as np
 import onnx
 import pytest
 import zmq
 from onnx import TensorProto, helper
 
+from frontend.server.validate import parse_header
+from lipsync_client.protocol import RequestHeader
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
@@ -161,6 +164,18 @@ def test_an_id_that_cannot_be_encoded_back_still_gets_one_reply_and_leaks_nothin
         assert err["code"] == "bad_request" and "id" in err["message"], err
     with server.client(timeout_s=20) as c:
         assert c.composite("a", np.zeros((1, 32, 16, 16), np.float32))[0]["ok"]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"op": "session_audio", "id": 7, "session": "abc", "utterance": 2}', b'{"op": "health", "op": "models"}',
+    b'\xef\xbb\xbf{"op": "health"}', '{"op": "health", "id": "\u00e9"}'.encode("utf-16"),
+    b'{"op": "health", "id": 123456789012345678901234567890}', b'{"op": "session_audio", "session": "\\ud800"}',
+    b'{"op": "session_open", "model": "a", "fps": 25}',
+], ids=["audio", "duplicate key", "BOM", "UTF-16", "big id", "surrogate session", "int fps"])
+def test_a_header_reads_the_same_whichever_way_it_is_parsed(raw):
+    # parse_header decodes a valid header in one step (msgspec) and falls back to json + convert: both
+    # must read a header alike
+    assert parse_header(raw) == msgspec.convert(json.loads(raw), RequestHeader, strict=True)
 
 
 def test_deeply_nested_json_is_a_bad_request(server):
