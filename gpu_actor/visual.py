@@ -22,10 +22,18 @@ _255 = np.float32(255)
 
 def build_visual(crops: list[np.ndarray], out: np.ndarray) -> None:
     """crops: 328x328x3 uint8 each; out: [len(crops), 6, 320, 320] float32."""
+    import cv2   # NOTE: here, not at the top, as config/geometry.crop_328: a worker's start does not need it
     for i, crop in enumerate(crops):
-        np.divide(crop[INNER, INNER].transpose(2, 0, 1), _255, out=out[i, :3], dtype=np.float32)
-        out[i, 3:] = out[i, :3]
-        out[i, 3:, MASK_ROWS, MASK_COLS] = 0
+        # NOTE: planes split first (contiguous), then divided: dividing the HWC crop through a transposed
+        # view takes numpy's strided loop, and the masked copy needs only what the mask leaves: 167 -> 101 us
+        for c, plane in enumerate(cv2.split(crop[INNER, INNER])):
+            np.divide(plane, _255, out=out[i, c], dtype=np.float32)
+        reference, masked = out[i, :3], out[i, 3:]
+        masked[:, :MASK_ROWS.start] = reference[:, :MASK_ROWS.start]
+        masked[:, MASK_ROWS.stop:] = reference[:, MASK_ROWS.stop:]
+        masked[:, MASK_ROWS, :MASK_COLS.start] = reference[:, MASK_ROWS, :MASK_COLS.start]
+        masked[:, MASK_ROWS, MASK_COLS.stop:] = reference[:, MASK_ROWS, MASK_COLS.stop:]
+        masked[:, MASK_ROWS, MASK_COLS] = 0
 
 
 class VisualFrames:

@@ -49,7 +49,7 @@ def test_composite_matches_the_three_steps_exactly(avatar, index, where):
 
 def test_audio_only_visual_input_matches_the_recipe(avatar):
     crops = [avatar.decode(i)[1] for i in range(len(RECTS))]
-    out = np.empty((len(crops), 6, 320, 320), np.float32)
+    out = np.full((len(crops), 6, 320, 320), np.nan, np.float32)   # (a buffer is reused: every value is written)
     build_visual(crops, out)
     for i, rect in enumerate(RECTS.values()):
         np.testing.assert_array_equal(out[i], reference_visual(cv2.imread(str(avatar.frame_files[i])), rect))
