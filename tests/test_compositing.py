@@ -174,6 +174,30 @@ def test_store_stays_under_cache_bytes_with_many_models(tmp_path, avatar):
         store.close(unlink=True)
 
 
+def test_store_reads_what_another_process_put_where_a_frame_was(tmp_path, avatar):
+    # Each process remembers where it found a frame; another may have evicted it since and put its
+    # own frame there: that entry must be read as the other frame's, never as the one looked for.
+    frame = avatar.decode(0)
+    entry = store_spec("sizing", str(tmp_path), 1 << 30, W, H, "lru").entry_bytes
+    store = _store(tmp_path, cache_bytes=2 * entry)
+    other = BackgroundStore.attach(store.spec)
+    marked = [(np.full_like(frame[0], v), np.full_like(frame[1], v)) for v in (1, 2, 3, 4)]
+    try:
+        assert store.spec.n_entries == 2
+        for k in (0, 1):
+            store.fetch("a", k, lambda: marked[k])
+        for k in (0, 1):   # both entries evicted, and refilled with model b's frames
+            other.fetch("b", k, lambda: marked[2 + k])
+        background, crop, hit = store.fetch("a", 0, lambda: marked[0])
+        assert not hit and background[0, 0, 0] == 1 and crop[0, 0, 0] == 1
+        background, crop, hit = store.fetch("b", 1, lambda: pytest.fail("b's frame 1 is in the store"))
+        assert hit and background[0, 0, 0] == 4 and crop[0, 0, 0] == 4
+        assert store.entries_used() == 2
+    finally:
+        other.close()
+        store.close(unlink=True)
+
+
 def test_store_refuses_frames_larger_than_its_entries(tmp_path):
     store = _store(tmp_path)
     try:
