@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|cpu|h264|startup|avatars|first_words|importer] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -22,7 +22,7 @@ def _counts(text: str) -> tuple[int, ...]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "cpu", "h264",
+    parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "transport", "cpu", "h264",
                                                          "startup", "avatars", "first_words", "importer"], default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
@@ -84,6 +84,10 @@ def main() -> int:
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
                                                shed=not args.no_shed)
+    if args.what in ("all", "transport"):
+        from bench import transport
+        levels = [(n, round(n * transport.SPEAKING_SHARE)) for n in args.levels] + [(n, 0) for n in args.silent]
+        results["transport"] = transport.run(args.seconds, levels)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")
