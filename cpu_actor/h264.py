@@ -5,9 +5,11 @@ Converting a whole 720p BGR frame to I420 costs about as much as encoding it, so
 converted once, when it enters the shared store (an I420 entry beside its BGR one), and only the
 face box is converted per frame:
 
-  speech compositing (any compositor):  the mouth is pasted into the BGR crop as for every format
-      (cpu_actor/composite.py), resized to the face box, and the box, widened to even coordinates,
-      is converted to I420: a *box* (`pack_box`), about 110 KB for a 270x270 face.
+  speech compositing (the session's own compositor, else any):  the mouth is pasted into the BGR crop
+      as for every format (cpu_actor/composite.py), resized to the face box, and the box, widened to
+      even coordinates, is converted to I420: a *box* (`pack_box`), about 110 KB for a 270x270 face,
+      kept here for the session's encoder (`KeptBoxes`) or, composited elsewhere, sent on with the
+      frame's encode request.
   encoding (the session's own compositor, in frame order):  copy the I420 background, write the box
       into its planes, encode. Idle frames are the background as it is.
 
@@ -24,7 +26,7 @@ import struct
 import time
 from collections import OrderedDict
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import cv2
 import numpy as np
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 
 _BOX = struct.Struct("<4H")
 IDLE_ENCODER_S = 60.0     # an encoder whose session sent nothing for this long is dropped
+MAX_SESSION_FPS = 60      # the highest frame rate a session may ask for (header.fps)
 
 
 def to_i420(bgr: np.ndarray) -> np.ndarray:
@@ -160,3 +163,56 @@ class Encoders:
         cutoff = time.monotonic() - IDLE_ENCODER_S
         while self._by_session and next(iter(self._by_session.values()))[2] < cutoff:
             self._by_session.popitem(last=False)
+
+
+class KeptBoxes:
+    """Face boxes this process composited for its own H.264 sessions (CompositeTask.keep), by session
+    and frame index, until the session's encoder takes them: they never cross to the frontend and
+    back. A session's frames are decided in order, so taking frame k drops its boxes before k (speech
+    that went out idle: late, or cut by an interrupt); the last box taken stays, for a repeated frame."""
+
+    def __init__(self, per_session: int):
+        """`per_session`: boxes kept for one session at most (its speech may be composited up to
+        sessions.max_ahead_s ahead: as many as the frontend held before they stayed here)."""
+        self.per_session = per_session
+        self._boxes: dict[str, dict[int, bytes]] = {}
+        self._last: dict[str, tuple[int, bytes]] = {}
+        self._touched: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(map(len, self._boxes.values()))
+
+    def put(self, session: str, index: int, box: bytes) -> None:
+        boxes = self._boxes.setdefault(session, {})
+        boxes[index] = box
+        if len(boxes) > self.per_session:
+            del boxes[min(boxes)]
+        self._touch(session)
+
+    def take(self, session: str, index: int) -> Optional[bytes]:
+        """Frame `index`'s box (None: never kept here, or dropped)."""
+        boxes = self._boxes.get(session)
+        box = boxes.pop(index, None) if boxes is not None else None
+        if box is None:
+            last = self._last.get(session)
+            return last[1] if last is not None and last[0] == index else None
+        for k in [k for k in boxes if k < index]:
+            del boxes[k]
+        self._last[session] = (index, box)
+        self._touch(session)
+        return box
+
+    def drop(self, session: str) -> None:
+        self._boxes.pop(session, None)
+        self._last.pop(session, None)
+        self._touched.pop(session, None)
+
+    def expire(self) -> None:
+        """Drop the boxes of sessions that neither kept nor took one for IDLE_ENCODER_S (their close was lost)."""
+        cutoff = time.monotonic() - IDLE_ENCODER_S
+        while self._touched and next(iter(self._touched.values())) < cutoff:
+            self.drop(next(iter(self._touched)))
+
+    def _touch(self, session: str) -> None:
+        self._touched[session] = time.monotonic()
+        self._touched.move_to_end(session)

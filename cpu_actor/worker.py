@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections import deque
 
@@ -26,7 +27,7 @@ import zmq
 from config import Config
 from config.assets import AssetCache, AssetError
 from cpu_actor.composite import RAW_I420, encode_image, mouth_to_uint8, paste
-from cpu_actor.h264 import Encoders, apply_box, encode_frame, open_encoder, pack_box, to_i420
+from cpu_actor.h264 import MAX_SESSION_FPS, Encoders, KeptBoxes, apply_box, encode_frame, open_encoder, pack_box, to_i420
 from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
 from shm.codes import ErrorCode
@@ -58,6 +59,8 @@ class Compositor:
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
         self.encoders = Encoders()            # live H.264 sessions pinned to this process
+        # ... their speech's face boxes: at most as far ahead as a session's speech goes, at its highest rate
+        self.kept = KeptBoxes(math.ceil(config.sessions.max_ahead_s * MAX_SESSION_FPS) + 1)
         self.loops: deque = deque()           # EncodeLoop tasks in progress: (task, encoder, access units so far)
         self._scratch = None                  # the I420 frame being encoded
         self._stopping = False
@@ -101,6 +104,7 @@ class Compositor:
             else:
                 self._preload_one()
                 self.encoders.expire()
+                self.kept.expire()
 
     def _drain(self) -> None:
         """Take every message waiting, so that the most urgent task is chosen among all of them."""
@@ -118,6 +122,7 @@ class Compositor:
             self.loops.append((msg, None, []))
         elif isinstance(msg, CloseEncoder):
             self.encoders.close(msg.session)
+            self.kept.drop(msg.session)
         elif isinstance(msg, ReleaseImages):
             self.images.release_request(msg.req)
         elif isinstance(msg, ResetRequests):
@@ -168,7 +173,11 @@ class Compositor:
                 if task.format == "i420":   # an H.264 session's frame: only its face box, in I420 (cpu_actor/h264.py)
                     i420, crop, hit = self._i420(assets, frame)
                     hits += hit
-                    encoded.append(pack_box(i420, assets.width, assets.height, crop, mouth, assets.rects[frame]))
+                    box = pack_box(i420, assets.width, assets.height, crop, mouth, assets.rects[frame])
+                    if task.keep is not None:   # for this process's own encoder of that session
+                        self.kept.put(*task.keep[i], box)
+                        box = b""
+                    encoded.append(box)
                     continue
                 if task.format == RAW_I420:   # a whole raw I420 frame: the same box, written into the background
                     i420, crop, hit = self._i420(assets, frame)
@@ -276,15 +285,19 @@ class Compositor:
             units = []
             for item in task.items:
                 i420, _, _ = self._i420(assets, item.frame, scratch=True)
-                if item.box:
-                    apply_box(i420, assets.width, assets.height, item.box)
+                box = item.box if item.kept < 0 else self.kept.take(task.session, item.kept)
+                if box is None:   # (this process restarted since): the frames are lost, the next is an IDR
+                    raise BoxGone(f"the face box of frame {item.kept} is not kept here (any more)")
+                if box:
+                    apply_box(i420, assets.width, assets.height, box)
                 units.append(encode_frame(ctx, i420, item.index, item.idr))
         except Exception as err:  # this request fails; the session's next frames start a new encoder
             self.encoders.close(task.session)
-            bad = isinstance(err, (AssetError, StoreError, ValueError))
-            if not bad:
+            bad, gone = isinstance(err, (AssetError, StoreError, ValueError)), isinstance(err, BoxGone)
+            if not (bad or gone):
                 log.exception("encoding a frame of session %s failed", task.session)
-            reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST if bad else ErrorCode.INTERNAL,
+            code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE if gone else ErrorCode.INTERNAL
+            reply = msgspec.structs.replace(reply, ok=False, code=code,
                                             message=f"encoding H.264 for model {task.model}: {err}")
             self.to_frontend.send(pack(reply))
             return
@@ -326,6 +339,10 @@ class Compositor:
         slot = self.images.acquire(task.req, timeout, self._wait_for_release, setting="shm.slots")
         return self.images.writable(slot, 0, "uint8", shape), self.images.ref(slot, 0, "uint8", shape)
 
+
+
+class BoxGone(LookupError):
+    """An encode request names a face box this process does not keep."""
 
 
 def run_cpu_process(config: Config, run: RunSpec, index: int) -> None:

@@ -339,7 +339,7 @@ def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: Ten
         to_cpu[chunk.compositor].send(pack(CompositeTask(
             req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
             frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-            deadline=task.deadline, version=task.version, due=task.due)))
+            deadline=task.deadline, version=task.version, due=task.due, keep=chunk.keep)))
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

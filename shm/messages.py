@@ -33,6 +33,7 @@ class Chunk(msgspec.Struct, array_like=True):
     compositor: int
     start: int
     end: int
+    keep: Optional[list[tuple[str, int]]] = None   # CompositeTask.keep
 
 
 # -- frontend -> inference worker ------------------------------------------------------------
@@ -118,6 +119,9 @@ class CompositeTask(_Msg):
     deadline: float
     version: int = 0
     due: float = 0.0                 # InferTask.due: compositors take the task due soonest first
+    # H.264 speech (format i420) whose sessions' encoders live in this process: frame i's face box is
+    # kept here for (session, frame index) keep[i], and an empty frame goes back in its place
+    keep: Optional[list[tuple[str, int]]] = None
 
 
 class RenderIdle(_Msg):
@@ -148,6 +152,8 @@ class EncodeItem(msgspec.Struct, array_like=True):
     frame: int                       # its background frame
     idr: bool                        # start a new GOP with this frame
     box: bytes = b""                 # speech: the face box (cpu_actor/h264.pack_box); empty: idle
+    kept: int = -1                   # speech whose face box this process kept for the session's frame
+                                     # `kept` (CompositeTask.keep; a repeated frame names the first's)
 
 
 class EncodeFrames(_Msg):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.core.scheduler import (CLIENT_GONE, Dispatch, Fail, FreeInput, Kind, FreeImages, ReleaseOutput, Done,
+from frontend.core.scheduler import (CLIENT_GONE, KEEP_SLACK, Dispatch, Fail, FreeInput, Kind, FreeImages, ReleaseOutput, Done,
                              Request, ResetInputs, Scheduler, SendWorker)
 from shm.codes import ErrorCode, ModelEventKind, ProcState
 from shm.messages import CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsReport
@@ -285,3 +285,35 @@ def test_backlogs_bound_each_connection_and_all_of_them_together():
     b.closed("c2")
     assert b.total() == 2 * mib and b.admit("c4", 4 * mib) is not None
     assert Backlogs(limit=4 * mib, total_limit=1).admit("c", 8 * mib) is not None, "one reply always goes when none wait"
+
+
+def test_h264_speech_goes_where_each_sessions_encoder_is_and_a_missing_one_gets_it_back():
+    """An H.264 speech batch (`keep`): each session's frames go to the compositor of its encoder, which
+    keeps their face boxes; frames of a compositor that is not ready go to another, boxes sent back."""
+    e = engine(compositors=3)
+    r = Request(Kind.COMPOSITE, "m", 5, deadline=100.0, conn="c1",
+                keep=[("s1", 10, 2), ("s1", 11, 2), ("s2", 7, 0), ("s3", 4, 1), ("s3", 5, 1)])
+    e.process_event("cpu", 1, ProcState.STARTING)   # s3's compositor restarts
+    (d,) = of(e.submit(r, now=0.0), Dispatch)
+    assert [(c.compositor, c.start, c.end, c.keep) for c in d.plan] == [
+        (2, 0, 2, [("s1", 10), ("s1", 11)]), (0, 2, 3, [("s2", 7)]), (d.plan[2].compositor, 3, 5, None)]
+    assert d.plan[2].compositor in (0, 2)
+    e.infer_done(InferDone(req=r.req, worker=0, ok=True))
+    for chunk in d.plan:
+        actions = e.composite_done(CompositeDone(req=r.req, compositor=chunk.compositor, start=chunk.start,
+                                                 end=chunk.end, ok=True, width=8, height=6),
+                                   [b"" if chunk.keep else b"box"] * (chunk.end - chunk.start))
+    assert ends(actions) == [Done(r)] and held(e) == NOTHING
+
+
+def test_h264_speech_goes_to_the_least_busy_compositor_when_its_sessions_is_far_busier():
+    """The boxes stay with the encoder only while that costs the batch little: a compositor more than
+    KEEP_SLACK requests busier than the least busy (encodes queued there) gets no speech; it goes to
+    the least busy, boxes sent back."""
+    e = engine(compositors=2)
+    renders = [e.submit(Request(Kind.RENDER, "m", 1, deadline=100.0, compositor=0), now=0.0)
+               for _ in range(KEEP_SLACK + 1)]
+    assert all(a.compositor == 0 for actions in renders for a in actions if type(a).__name__ == "Render")
+    r = Request(Kind.COMPOSITE, "m", 2, deadline=100.0, conn="c1", keep=[("s0", 3, 0), ("s1", 9, 1)])
+    (d,) = of(e.submit(r, now=0.0), Dispatch)
+    assert [(c.compositor, c.start, c.end, c.keep) for c in d.plan] == [(1, 0, 1, None), (1, 1, 2, [("s1", 9)])]

@@ -12,6 +12,7 @@ import cv2
 import numpy as np
 import pytest
 
+from cpu_actor.h264 import KeptBoxes
 from lipsync_client import ServerError
 from lipsync_client import Session
 from tests.helpers import (base_config, decode_image, frames_until, free_port, make_video_avatar, mirror_index,
@@ -186,3 +187,18 @@ def test_h264_sessions_opened_at_once_share_the_compositors(models, tmp_path):
 
     with run_server(tmp_path, cfg) as srv:
         asyncio.run(scenario(srv.endpoint))
+
+
+def test_kept_face_boxes_are_taken_in_order_repeated_once_taken_and_bounded():
+    kept = KeptBoxes(per_session=4)
+    for k in range(10, 14):
+        kept.put("s", k, b"box%d" % k)
+    kept.put("t", 10, b"other")
+    assert kept.take("s", 12) == b"box12" and kept.take("s", 10) is None, "frames before a taken one are dropped"
+    assert kept.take("s", 12) == b"box12", "a repeated frame takes the last box again"
+    assert kept.take("s", 13) == b"box13" and kept.take("s", 12) is None and len(kept) == 1
+    for k in range(20, 26):
+        kept.put("s", k, b"x")
+    assert kept.take("s", 21) is None and kept.take("s", 22) == b"x", "past per_session, the oldest go"
+    kept.drop("s")
+    assert kept.take("s", 23) is None and kept.take("t", 10) == b"other" and len(kept) == 0

@@ -20,7 +20,7 @@ from lipsync_client import protocol as P
 from frontend.core.request import Kind, RequestError
 from frontend.core.scheduler import CompositorState
 from frontend.live.capacity import Load
-from frontend.live.h264_sessions import LoopJob
+from frontend.live.h264_sessions import EncodeJob, LoopJob
 from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES
 from frontend.live.service import Live, Pin
 from frontend.live.speech import SpeechBatch
@@ -441,6 +441,46 @@ def test_h264_speech_is_due_when_its_frame_is_decided_not_when_it_goes_out():
     [r] = host.of(Kind.COMPOSITE, SpeechBatch)
     assert r.deadline == pytest.approx(session.due(frames[-1]) - ahead)
     assert r.inputs.due == pytest.approx(session.due(frames[0]) - ahead)
+
+
+def test_h264_face_boxes_stay_with_the_sessions_encoder_and_a_dead_one_leaves_its_frames_idle():
+    """H.264 speech is composited where the session's encoder is, the face box kept there: the batch
+    names (session, frame, compositor) for each frame, the compositors answer with empty frames, and the
+    encode requests name the kept frame instead of carrying a box. A session whose compositor died
+    between the two sends those frames idle, counted missed, from an IDR on the other compositor."""
+    live, host, clock = _live()
+    peers = [Peer("h0"), Peer("h1")]
+    for peer in peers:
+        assert live.handle(_call("session_open", peer, model="a", format="h264"), []) is None
+    for r in host.of(Kind.LOAD, Pin):
+        r.results = [SimpleNamespace(worker=0)]
+        _done(r)
+    for r in host.of(Kind.RENDER, LoopJob):
+        r.images = {0: [b"au"] * r.batch}
+        _done(r)
+    sessions = [live.table.get(_replies(host, peer)[-1]["session"]) for peer in peers]
+    if sessions[0].h264.compositor == 1:
+        sessions.reverse(), peers.reverse()
+    assert [s.h264.compositor for s in sessions] == [0, 1]
+    firsts = [_audio(live, peer, s.token, 3)["first_frame"] for peer, s in zip(peers, sessions)]
+    clock.advance(1 / FPS)   # the batch waits a frame period for other sessions' speech
+    [r] = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert r.keep == [(s.token, k, c) for c, (s, first) in enumerate(zip(sessions, firsts))
+                      for k in range(first, first + 3)]
+    r.images = {0: [b""] * 6}   # both compositors kept their boxes
+    _done(r)
+    host.states[1] = CompositorState(ProcState.STARTING)   # the second session's compositor died
+    clock.advance(sessions[0].due(max(firsts) + 2) - clock.now())
+    jobs = {s.token: [i for j in host.of(Kind.RENDER, EncodeJob) if j.work.token == s.token
+                      for i in j.work.task.items] for s in sessions}
+    kept = {i.index: i for i in jobs[sessions[0].token] if i.kept >= 0}
+    assert sorted(kept) == list(range(firsts[0], firsts[0] + 3))
+    assert all(i.kept == i.index and i.box == b"" for i in kept.values()), "the encode names the box kept"
+    assert all(j.compositor == 0 for j in host.of(Kind.RENDER, EncodeJob))
+    moved = [i for i in jobs[sessions[1].token] if firsts[1] <= i.index < firsts[1] + 3]
+    assert len(moved) == 3 and all(i.kept < 0 and i.box == b"" for i in moved), "idle: its boxes died"
+    assert moved[0].idr or any(i.idr for i in jobs[sessions[1].token] if i.index < firsts[1])
+    assert sessions[1].stats.missed == 3 and sessions[0].stats.missed == 0
 
 
 def test_a_full_host_sheds_the_newest_speaking_sessions_speech_first():

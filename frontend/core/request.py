@@ -126,4 +126,7 @@ class Request:
     gather_deadline: float = float("inf")
     pin: int = 0                          # LOAD: +1 keeps the model loaded on that worker (a live session)
     compositor: Optional[int] = None      # RENDER: only this compositor (an H.264 session's encoder lives there)
+    # COMPOSITE of H.264 speech: frame i's (session, frame index, compositor of its encoder), frames of
+    # one compositor together: each goes there and its face box stays there (CompositeTask.keep)
+    keep: Optional[list[tuple[str, int, int]]] = None
     inputs: Optional[Inputs] = None       # INFER, COMPOSITE: what the worker infers (written at Dispatch)

@@ -33,6 +33,7 @@ from shm.messages import (Chunk, CompositeDone, InferDone, LoadDone, LoadModel, 
 
 
 STATS_TIMEOUT_S = 2.0   # how long a `stats` op waits for the workers' answers before it answers with what came
+KEEP_SLACK = 3         # H.264 speech goes to a busier compositor than the least busy by at most this many requests
 # What an edge's RemoteWorker says of its GPU host: the worker process, and its output ring, live on.
 HOST_STATES = (ProcState.UNREACHABLE, ProcState.STARTING, ProcState.VACANT, ProcState.STOPPED)
 
@@ -326,18 +327,38 @@ class Scheduler:
         return self._gather(warm, [worker], LoadModel(req=warm.req, model=model))
 
     def _plan(self, r: Request) -> list[Chunk]:
-        """Split the batch over the ready compositing processes, least busy first (ties rotate)."""
+        """Split the batch over the ready compositing processes, least busy first (ties rotate); H.264
+        speech (`r.keep`) goes to its sessions' encoders' compositors, where the face boxes stay."""
         ready = [i for i, c in enumerate(self.compositors) if c.ready]
         if not ready:
             return []
-        n = min(r.batch, len(ready))
         turn = next(self._turns)
         ready.sort(key=lambda i: (len(self.compositors[i].active), (i + turn) % len(self.compositors)))
-        bounds = [r.batch * k // n for k in range(n + 1)]
-        plan = [Chunk(ready[k], bounds[k], bounds[k + 1]) for k in range(n)]
+        if r.keep is not None:
+            plan = self._plan_kept(r.keep, ready, [len(c.active) for c in self.compositors])
+        else:
+            n = min(r.batch, len(ready))
+            bounds = [r.batch * k // n for k in range(n + 1)]
+            plan = [Chunk(ready[k], bounds[k], bounds[k + 1]) for k in range(n)]
         for chunk in plan:
             r.chunks[chunk.start] = chunk.compositor
             self.compositors[chunk.compositor].active.add(r.req)
+        return plan
+
+    @staticmethod
+    def _plan_kept(keep: list[tuple[str, int, int]], ready: list[int], active: list[int]) -> list[Chunk]:
+        """One chunk per run of frames bound for one compositor: there if it is ready and not more than
+        KEEP_SLACK requests busier than the least busy (the boxes stay there), else to the least busy
+        (the boxes come back, as for any other)."""
+        plan, start, least = [], 0, ready[0]
+        for compositor, run in itertools.groupby(keep, key=lambda frame: frame[2]):
+            frames = [(session, index) for session, index, _ in run]
+            end = start + len(frames)
+            if compositor in ready and active[compositor] <= active[least] + KEEP_SLACK:
+                plan.append(Chunk(compositor, start, end, frames))
+            else:
+                plan.append(Chunk(least, start, end))
+            start = end
         return plan
 
     # -- results --------------------------------------------------------------------------------

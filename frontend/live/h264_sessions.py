@@ -1,10 +1,10 @@
 """Live sessions in H.264, the shell of live/h264_stream.py: each session's encoder lives in one
 compositing process (cpu_actor/h264.py encodes), and this module hands it the frames its stream
-decided (engine `render` requests pinned to that compositor), holds the access units that come back
-until due, and asks for the avatar's idle loop chunks, encoded once and shared by every session on
-that avatar.
+decided (engine `render` requests pinned to that compositor; a speech frame's face box was kept there
+when it was composited, live/speech.py), holds the access units that come back until due, and asks
+for the avatar's idle loop chunks, encoded once and shared by every session on that avatar.
 A compositor that dies takes its in-flight frames with it: they are skipped, the session moves to a
-ready compositor and its next frame is an IDR.
+ready compositor and its next frame is an IDR; speech whose box it kept goes out idle, missed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional
 from config.assets import frame_index
 from frontend.core.alarm import LOOP_CLOCK, Clock
 from frontend.core.request import Kind, Request
-from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES, H264Stream
+from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES, H264Stream, Kept
 from frontend.live.host import Host
 from frontend.live.idle import IdleCache, frame_bytes
 from frontend.live.timeline import LiveSession, SessionTable
@@ -159,24 +159,26 @@ class H264Sessions:
         """Decide the frames due within ENCODE_AHEAD_FRAMES, encode what the loop does not cover, send
         what is due."""
         stream = session.h264
+        if not self.host.compositors()[stream.compositor].ready:   # it died: its encoder went with it
+            stream.compositor = self._placed[session.token] = self._compositor(avoid=stream.compositor)
+            stream.need_idr = True
         items = []
         for frame in session.advance(now):
+            if type(frame.image) is Kept and frame.image.compositor != stream.compositor:
+                session.box_lost(frame)   # kept where the session's encoder no longer is
             start, _ = stream.chunk_of(frame.index)
             chunk = self.idle.get(self._loop_key(session, start)) if self.cfg.idle_loop else None
             todo = stream.decide(frame, chunk)
             if todo is not None:
-                items.append(EncodeItem(index=todo.index, frame=todo.background, idr=todo.idr, box=todo.box))
+                kept = type(todo.box) is Kept
+                items.append(EncodeItem(index=todo.index, frame=todo.background, idr=todo.idr,
+                                        box=b"" if kept else todo.box, kept=todo.box.index if kept else -1))
         if items:
             self._encode(session, items)
         self.flush(session, now)
 
     def _encode(self, session: LiveSession, items: list[EncodeItem]) -> None:
         stream = session.h264
-        if not self.host.compositors()[stream.compositor].ready:   # it died: its encoder went with it
-            stream.compositor = self._placed[session.token] = self._compositor(avoid=stream.compositor)
-            if not items[0].idr:
-                items[0].idr = True
-                stream.units[items[0].index].keyframe = True
         session.stats.encoded += len(items)
         spec = session.call.spec
         deadline = session.due(items[-1].index) + ENCODE_GRACE_S

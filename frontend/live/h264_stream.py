@@ -17,7 +17,7 @@ an IDR, since the decoder's last pictures are then the loop's, not the encoder's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from frontend.live.timeline import Outgoing
 
@@ -34,12 +34,20 @@ class Unit:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """A speech frame's face box that stayed in compositing process `compositor` (the one keeping the
+    session's encoder when its batch was planned), kept there for the session's frame `index`."""
+    compositor: int
+    index: int
+
+
+@dataclass(frozen=True)
 class Encode:
     """A frame for the session's encoder."""
     index: int
     background: int
     idr: bool
-    box: bytes             # speech: the face box in I420; b"": the background as it is
+    box: Any               # speech: the face box in I420, or where it was kept (Kept); b"": the background as it is
 
 
 class H264Stream:

@@ -17,6 +17,7 @@ import numpy as np
 
 from frontend.core.alarm import Clock
 from frontend.core.request import Inputs, Kind, Request
+from frontend.live.h264_stream import Kept
 from frontend.live.host import Host
 from frontend.live.idle import frame_bytes
 from frontend.live.timeline import LiveSession, SessionTable
@@ -114,8 +115,9 @@ class SpeechBatcher:
                         "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
                         quality=quality, enqueued=self.clock.now(), due=session.needed_by(frames[0]))
         targets = [(session.token, k, session.utterance_at(k)) for k in frames]
+        keep = [(session.token, k, session.h264.compositor) for k in frames] if fmt == "i420" else None
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.needed_by(frames[-1]),
-                          work=SpeechBatch(targets, fmt, self), inputs=inputs)
+                          work=SpeechBatch(targets, fmt, self), inputs=inputs, keep=keep)
         session.submitted(frames, inputs.enqueued)
         self.host.submit(request)
 
@@ -150,13 +152,17 @@ class SpeechBatcher:
             return
         model, version, _, fmt, quality = key
         spec = self.table.get(items[0][0]).call.spec
+        keep = None
+        if fmt == "i420":   # H.264: each session's frames where its encoder is, their face boxes kept there
+            items.sort(key=lambda it: self.table.get(it[0]).h264.compositor)   # (stable: a session's stay in order)
+            keep = [(token, k, self.table.get(token).h264.compositor) for token, k, *_ in items]
         audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
         inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
                         tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
                         due=min(due for _, _, _, due, _, _ in items))
         request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
                           work=SpeechBatch([(token, k, u) for token, k, _, _, _, u in items], fmt, self),
-                          inputs=inputs)
+                          inputs=inputs, keep=keep)
         for token, k, *_ in items:
             self.table.get(token).submitted([k], inputs.enqueued)
         self.host.submit(request)
@@ -169,8 +175,8 @@ class SpeechBatcher:
         if r.image_slots:   # raw frames: copy them out of the image ring now, they wait until due
             images = [bytes(img) for img in images]
             self.host.free_images(r.req, r.image_slots)
-        elif batch.format == "i420":   # H.264 face boxes: they go on to the session's encoder
-            images = [frame_bytes(img) for img in images]
+        elif batch.format == "i420":   # H.264 face boxes: they go on to the session's encoder, or stayed there
+            images = [frame_bytes(img) or Kept(r.keep[i][2], r.keep[i][1]) for i, img in enumerate(images)]
         now = self.clock.now()
         stages = speech_stages(r.timing, r.answered)
         for (token, k, utterance), image in zip(batch.targets, images):

@@ -390,6 +390,14 @@ class LiveSession:
         if speech is not None:
             speech.failed = True
 
+    def box_lost(self, frame: Outgoing) -> None:
+        """Speech frame `frame` (from `advance`) cannot be made after all (its H.264 face box stayed in a
+        compositing process that died since): it goes out idle, counted missed ("failed")."""
+        if frame.kind == "speech" and not frame.shed:
+            self.stats.missed += 1
+            self.stats.missed_in["failed"] = self.stats.missed_in.get("failed", 0) + 1
+        frame.kind, frame.image, frame.missed = "idle", None, not frame.shed
+
     def advance(self, now: float) -> list[Outgoing]:
         """Every frame due by `now` + `ahead`, in order: speech when ready, else idle (speech missed)."""
         out = []
