@@ -155,6 +155,50 @@ def test_a_killed_compositor_resumes_with_an_idr(models, tmp_path):
     assert stats["frames_encoded"] >= stats["frames_idle"] - stats["dropped"] - 2
 
 
+def test_speech_survives_its_compositor_dying_mid_utterance(models, tmp_path):
+    """The session's compositor (its encoder, and the face boxes of the speech composited ahead) is
+    killed in the middle of an utterance: the stream goes on from an IDR on the other compositor,
+    every frame after it decodes, no frame goes out twice, the speech whose boxes died goes out idle
+    and counted missed, and the next utterance is speech again."""
+    import urllib.request
+    cfg = h264_config(models)
+    cfg["metrics"] = {"port": free_port()}
+
+    def placed() -> dict:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=10).read().decode()
+        return {int(line.split('"')[1]): float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                if line.startswith("lipsync_h264_sessions{")}
+
+    windows = np.random.default_rng(5).standard_normal((40, 32, 16, 16)).astype(np.float32)
+    with run_server(tmp_path, cfg) as srv, Session(srv.endpoint, "a", format="h264") as s:
+        units_until(s, 0)
+        first = s.send_audio(windows)["first_frame"]
+        before = units_until(s, first + 3)   # speech is going out; the rest is composited ahead
+        [index] = [i for i, n in placed().items() if n == 1]
+        with srv.client() as c:
+            [pid] = [p["pid"] for p in c.health()["processes"] if p["role"] == "cpu" and p["index"] == index]
+        os.kill(pid, signal.SIGKILL)
+        after = units_until(s, first + 40 + GOP)
+        second = s.send_audio(windows[:8])["first_frame"]
+        after += units_until(s, second + 8)
+        stats = s.stats()
+    got = before + after
+    indices = [h["index"] for h, _ in got]
+    assert indices == sorted(set(indices)), "no frame goes out twice, none out of order"
+    assert any(h["kind"] == "speech" for h, _ in before if h["index"] >= first)
+    resumed = next(i for i, (h, _) in enumerate(after) if h["keyframe"])
+    pictures = decode([au for _, au in after[resumed:]])
+    assert len(pictures) == len(after) - resumed, "every access unit from the IDR on decodes"
+    again = [h for h, _ in after if second <= h["index"] < second + 8]
+    assert [h["kind"] for h in again] == ["speech"] * 8, "the next utterance is speech again"
+    skipped = set(range(indices[0], indices[-1] + 1)) - set(indices)
+    assert len(skipped) == stats["dropped"], "a frame not sent (its encode died with the process) is counted"
+    # The utterance's boxes were composited ahead, all of it having come in one chunk: those the dead
+    # process kept go out idle, each counted missed.
+    lost = [h["index"] for h, _ in after if first <= h["index"] < first + 40 and h["kind"] == "idle"]
+    assert lost and stats["missed"] == len(lost) and stats["missed_in"] == {"failed": len(lost)}, (stats, lost)
+
+
 def test_h264_sessions_opened_at_once_share_the_compositors(models, tmp_path):
     """Six H.264 sessions opened at once: the server's lipsync_h264_sessions gauge shows them three and
     three on its two compositing processes (all six went to the first before), and the depth gauges are
