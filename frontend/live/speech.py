@@ -115,11 +115,20 @@ class SpeechBatcher:
                         "encoder", rows=rows.tolist(), utterance=utterance, first_input=first_input, format=fmt,
                         quality=quality, enqueued=self.clock.now(), due=session.needed_by(frames[0]))
         targets = [(session.token, k, session.utterance_at(k)) for k in frames]
-        keep = [(session.token, k, session.h264.compositor) for k in frames] if fmt == "i420" else None
+        now = self.clock.now()
+        keep = [(session.token, k, self._keeper(session, session.needed_by(k), now)) for k in frames] \
+            if fmt == "i420" else None
         request = Request(Kind.COMPOSITE, session.model, len(frames), deadline=session.needed_by(frames[-1]),
                           work=SpeechBatch(targets, fmt, self), inputs=inputs, keep=keep)
         session.submitted(frames, inputs.enqueued)
         self.host.submit(request)
+
+    def _keeper(self, session: LiveSession, due: float, now: float) -> int:
+        """The compositor to keep a speech frame's H.264 face box (its session's encoder's), or -1: the
+        frame is needed more than the latency budget from now (speech sent ahead of real time, a TTS
+        burst), and its box comes back. A compositor that dies loses the boxes it keeps: so at most
+        the latency budget's worth of a session's speech."""
+        return session.h264.compositor if due - now <= self.latency_budget_ms / 1000 else -1
 
     def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
         """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
@@ -154,8 +163,11 @@ class SpeechBatcher:
         spec = self.table.get(items[0][0]).call.spec
         keep = None
         if fmt == "i420":   # H.264: each session's frames where its encoder is, their face boxes kept there
-            items.sort(key=lambda it: self.table.get(it[0]).h264.compositor)   # (stable: a session's stay in order)
-            keep = [(token, k, self.table.get(token).h264.compositor) for token, k, *_ in items]
+            now = self.clock.now()
+            placed = sorted(((self._keeper(self.table.get(it[0]), it[3], now), it) for it in items),
+                            key=lambda pair: pair[0])   # one run of frames per compositor
+            items = [it for _, it in placed]
+            keep = [(it[0], it[1], compositor) for compositor, it in placed]
         audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
         inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
                         tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
