@@ -59,8 +59,10 @@ class Compositor:
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
         self.encoders = Encoders()            # live H.264 sessions pinned to this process
-        # ... their speech's face boxes: at most as far ahead as a session's speech goes, at its highest rate
-        self.kept = KeptBoxes(math.ceil(config.sessions.max_ahead_s * MAX_SESSION_FPS) + 1)
+        # ... their speech's face boxes: the frontend has boxes kept for frames needed within the latency
+        # budget; room for four times that at a session's highest rate (boxes left by interrupts and late
+        # frames until the session's next frame drops them)
+        self.kept = KeptBoxes(4 * math.ceil(config.sessions.latency_budget_ms / 1000 * MAX_SESSION_FPS) + 1)
         self.loops: deque = deque()           # EncodeLoop tasks in progress: (task, encoder, access units so far)
         self._scratch = None                  # the I420 frame being encoded
         self._stopping = False
