@@ -52,6 +52,11 @@ def _thread_name(pid: int, tid: int) -> str:
         return str(tid)
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds each thread of `pid` has run so far, keyed "name-tid"."""
+    return {f"{_thread_name(pid, tid)}-{tid}": run / 1e9 for tid, (run, _) in _schedstat(pid).items()}
+
+
 def _machine_busy_ns() -> int:
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]

@@ -21,9 +21,10 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import zmq
+
+from bench.procstat import thread_cpu_s
 
 FPS = 25.0
 SPEAKING_SHARE = 0.27    # of a level's sessions, as `bench sessions` has them speak
@@ -36,20 +37,6 @@ HEADER = b'{"op":"frame","session":"0123456789abcdef","index":123456,"pts_ms":49
          b'"frame":17,"keyframe":false,"utterance":3,"last":false}'
 AUDIO_HEADER = b'{"op":"session_audio","id":123456,"session":"0123456789abcdef","utterance":3,"last":false}'
 REPLY = b'{"id":123456,"session":"0123456789abcdef","first_frame":123460,"frames":1,"utterance":3}'
-
-
-def _cpu_by_thread() -> dict[str, float]:
-    """CPU seconds of each thread of this process, by name."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[f"{name}-{tid}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: float,
@@ -79,7 +66,7 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
     while True:
         now = time.monotonic()
         if cpu0 is None and now >= mark:
-            cpu0, sent, speech_sent = _cpu_by_thread(), 0, 0
+            cpu0, sent, speech_sent = thread_cpu_s(os.getpid()), 0, 0
         if now >= end:
             break
         horizon = now + SLACK_S
@@ -112,7 +99,7 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
                     boxes[:] = boxes[-4 * BATCH:]
                 else:                        # an access unit
                     aus[int.from_bytes(parts[0].bytes, "little")] = parts[1].buffer
-    cpu1 = _cpu_by_thread()
+    cpu1 = thread_cpu_s(os.getpid())
     threads = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     out.put({"frames": sent, "speech": speech_sent, "seconds": seconds, "threads": threads})
     ctx.destroy(linger=0)

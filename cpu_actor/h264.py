@@ -172,8 +172,8 @@ class KeptBoxes:
     that went out idle: late, or cut by an interrupt); the last box taken stays, for a repeated frame."""
 
     def __init__(self, per_session: int):
-        """`per_session`: boxes kept for one session at most (its speech may be composited up to
-        sessions.max_ahead_s ahead: as many as the frontend held before they stayed here)."""
+        """`per_session`: boxes kept for one session at most (past it the oldest go; the frontend has
+        boxes kept only for frames needed within the latency budget)."""
         self.per_session = per_session
         self._boxes: dict[str, dict[int, bytes]] = {}
         self._last: dict[str, tuple[int, bytes]] = {}
