@@ -66,7 +66,7 @@ class Frontend(Shell):
         self.auth = None
         self.tenants = self._tenants(ctx)
         self.clients = []
-        self._readable: dict = {}   # client ROUTER -> the asyncio.Event its reader waits on
+        self._readable: dict = {}   # client ROUTER -> its Reader
         for endpoint in config.frontend.bind:
             network = not endpoint.startswith(("ipc://", "inproc://"))
             # NOTE: plain (not asyncio) sockets: replies and frames leave with one non-blocking send each,
@@ -161,7 +161,7 @@ class Frontend(Shell):
             ring.close()
 
     async def _main(self) -> None:
-        internal = asyncio.create_task(self._read_internal())
+        internal = Reader(self.pull.FD, lambda: _take(self.pull, self._internal))   # from workers, compositors
         viewer = self.intake.viewer_task = asyncio.create_task(self._start_viewer()) if self.viewer_sockets else None
         self.catalog.warm(await self.catalog.ids())   # in the background: `models` is fast from the start
         # NOTE: serve clients only once the supervisor has told us every worker's state (it does right
@@ -169,8 +169,8 @@ class Frontend(Shell):
         deadline = time.monotonic() + STATE_SYNC_TIMEOUT_S
         while not self.engine.synced() and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.01)
-        readers = [asyncio.create_task(self._read_clients(i, s)) for i, s in enumerate(self.clients)]
-        readers += [asyncio.create_task(self._watch_connections(i, m)) for i, m in enumerate(self.monitors)]
+        readers = [self._read_clients(i, s) for i, s in enumerate(self.clients)]
+        readers += [self._watch_connections(i, m) for i, m in enumerate(self.monitors)]
         gauges_at = time.monotonic()
         while not self._stopping:
             await asyncio.sleep(0.1)  # the SIGTERM flag; every real wait is a socket read
@@ -178,8 +178,8 @@ class Frontend(Shell):
                 self._gauges()
                 gauges_at = time.monotonic() + GAUGES_S
         # Stop accepting, then let in-flight requests finish up to the shutdown deadline.
-        for task in readers:
-            task.cancel()
+        for reader in readers:
+            reader.close()
         self.start_draining(time.monotonic())
         while not self.drain_step(time.monotonic()):
             await asyncio.sleep(0.05)
@@ -187,7 +187,7 @@ class Frontend(Shell):
             viewer.cancel()
         if self.viewer is not None:
             await self.viewer.stop()
-        internal.cancel()
+        internal.close()
 
     async def _start_viewer(self) -> None:
         """The WebRTC viewer on the port bound at start: its stack (aiohttp, aiortc: ~0.4 s of imports)
@@ -201,9 +201,10 @@ class Frontend(Shell):
         self.viewer = viewer
         self.live.attach_viewer(viewer)
 
-    async def _read_clients(self, index: int, sock) -> None:
-        ready = self._readable[sock] = asyncio.Event()
-        await _on_wake(sock.FD, lambda: _take(sock, lambda frames: self._request(index, sock, frames)), ready)
+    def _read_clients(self, index: int, sock) -> "Reader":
+        reader = Reader(sock.FD, lambda: _take(sock, lambda frames: self._request(index, sock, frames)))
+        self._readable[sock] = reader
+        return reader
 
     def _request(self, index: int, sock, frames: list) -> None:
         # NOTE: libzmq queues a connection's DISCONNECTED event before it closes the fd, and so
@@ -215,11 +216,11 @@ class Frontend(Shell):
         except Exception:  # a bug must not kill the reader
             log.exception("request handling failed")
 
-    async def _watch_connections(self, index: int, monitor: zmq.Socket) -> None:
+    def _watch_connections(self, index: int, monitor: zmq.Socket) -> "Reader":
         def take() -> bool:
             self._connections_closed(index)
             return True   # (every event waiting is taken)
-        await _on_wake(monitor.FD, take, asyncio.Event())
+        return Reader(monitor.FD, take)
 
     def _connections_closed(self, index: int) -> None:
         """End the requests of every connection of ROUTER `index` that has closed."""
@@ -232,10 +233,6 @@ class Frontend(Shell):
             if actions:
                 log.info("a client disconnected with request(s) open: ended them")
             self.apply(actions)
-
-    async def _read_internal(self) -> None:
-        """The workers' and compositors' messages, read as the clients' are (`_read_clients`)."""
-        await _on_wake(self.pull.FD, lambda: _take(self.pull, self._internal), asyncio.Event())
 
     def _internal(self, frames: list) -> None:
         try:
@@ -355,21 +352,33 @@ class Frontend(Shell):
             self.metrics.h264_sessions.labels(str(i)).set(n)
 
 
-async def _on_wake(fd: int, take: Callable[[], bool], ready: asyncio.Event) -> None:
-    """Call `take` (handle what waits on a ZeroMQ socket, without blocking; False when it stopped at its
-    limit with more waiting) now and at each wake-up of the socket's fd. The fd is edge-triggered: each
-    wake-up is drained whole, a burst in turns with the rest of the loop."""
-    loop = asyncio.get_running_loop()
-    loop.add_reader(fd, ready.set)
-    try:
-        while True:
-            if not take():
-                await asyncio.sleep(0)   # a burst: let the rest of the loop run, then go on
-                continue
-            await ready.wait()
-            ready.clear()
-    finally:
-        loop.remove_reader(fd)
+class Reader:
+    """Calls `take` (handle what waits on a ZeroMQ socket, without blocking; False when it stopped at its
+    limit with more waiting) now and at each wake-up of the socket's fd, straight from the event loop's
+    callback (no task to switch to per wake-up). The fd is edge-triggered: each wake-up is drained
+    whole, a burst in turns with the rest of the loop."""
+
+    def __init__(self, fd: int, take: Callable[[], bool]):
+        self._loop = asyncio.get_running_loop()
+        self._fd, self._take = fd, take
+        self._turn: Optional[asyncio.Handle] = None   # a burst's next turn, queued behind the rest of the loop
+        self._loop.add_reader(fd, self.wake)
+        self.wake()   # what came before the fd was watched
+
+    def wake(self) -> None:
+        """Take what waits (also called after sends, which may have taken the fd's edge)."""
+        if self._turn is None and not self._take():
+            self._turn = self._loop.call_soon(self._next_turn)
+
+    def _next_turn(self) -> None:
+        self._turn = None
+        self.wake()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._fd)
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
 
 
 def _take(sock: zmq.Socket, handle: Callable[[list], None], most: int = 256) -> bool:

@@ -28,8 +28,8 @@ ZERO_COPY_BYTES = 64 * 1024   # smaller message parts are copied (pyzmq's own th
 
 
 class Replies:
-    """`readable`: each client ROUTER's reader's wake-up event (server/process.py), set again after a
-    pass of sends (`send`)."""
+    """`readable`: each client ROUTER's reader (server/process.Reader), woken again after a pass of
+    sends (`send`)."""
 
     def __init__(self, backlogs: Backlogs, metrics, to_cpu: Sequence, readable: dict):
         self.backlogs, self.metrics, self.to_cpu, self.readable = backlogs, metrics, to_cpu, readable
@@ -82,9 +82,8 @@ class Replies:
 
     def _recheck_reads(self) -> None:
         self._recheck_due = False
-        for sock, ready in self.readable.items():
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                ready.set()
+        for reader in self.readable.values():
+            reader.wake()
 
     def _release_when_sent(self, tracker, req: int, compositors: set[int]) -> None:
         """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
