@@ -32,8 +32,8 @@ from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import (CloseEncoder, CompositeDone, CompositeTask, EncodeFrames, EncodeLoop, ReleaseImages,
-                          RenderIdle, ResetRequests, pack, unpack)
+from shm.messages import (CloseEncoder, CompositeDone, CompositeTask, EncodeFrames, EncodeLoop, EncodeSession,
+                          ReleaseImages, RenderIdle, ResetRequests, pack, unpack)
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
@@ -273,39 +273,40 @@ class Compositor:
         return self.store.fetch(assets.store_id + "#i420", frame, load, out=out)
 
     def _encode(self, task: EncodeFrames) -> None:
-        """A live H.264 session's frames, in order, with its own encoder."""
+        """Live H.264 sessions' frames, each session's in order with its own encoder. A session whose
+        frames fail loses them (its next frames start a new encoder); the others' go on."""
         t0 = time.perf_counter()
-        reply = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(task.items), ok=True)
-        if time.monotonic() > task.deadline:   # given up already: encoding it would only delay the next
-            self.to_frontend.send(pack(msgspec.structs.replace(
-                reply, ok=False, code=ErrorCode.TIMEOUT, message="the deadline passed before encoding started")))
-            return
-        try:
-            assets = self.assets.get(task.model, task.version)
-            assets.check_frames([item.frame for item in task.items])
-            ctx, _ = self.encoders.get(task.session, assets.width, assets.height, task.settings)
-            units = []
-            for item in task.items:
-                i420, _, _ = self._i420(assets, item.frame, scratch=True)
-                box = item.box if item.kept < 0 else self.kept.take(task.session, item.kept)
-                if box is None:   # (this process restarted since): the frames are lost, the next is an IDR
-                    raise BoxGone(f"the face box of frame {item.kept} is not kept here (any more)")
-                if box:
-                    apply_box(i420, assets.width, assets.height, box)
-                units.append(encode_frame(ctx, i420, item.index, item.idr))
-        except Exception as err:  # this request fails; the session's next frames start a new encoder
-            self.encoders.close(task.session)
-            bad, gone = isinstance(err, (AssetError, StoreError, ValueError)), isinstance(err, BoxGone)
-            if not (bad or gone):
-                log.exception("encoding a frame of session %s failed", task.session)
-            code = ErrorCode.BAD_REQUEST if bad else ErrorCode.UNAVAILABLE if gone else ErrorCode.INTERNAL
-            reply = msgspec.structs.replace(reply, ok=False, code=code,
-                                            message=f"encoding H.264 for model {task.model}: {err}")
-            self.to_frontend.send(pack(reply))
-            return
-        reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
-                                        height=assets.height)
-        self.to_frontend.send_multipart([pack(reply), *units], copy=False)
+        units: list = []
+        lost: dict[int, str] = {}
+        for i, part in enumerate(task.sessions):
+            try:
+                if time.monotonic() > part.deadline:   # given up already: encoding it would only delay the next
+                    raise TimeoutError("the deadline passed before encoding started")
+                units += self._encode_session(part)
+            except Exception as err:
+                self.encoders.close(part.session)
+                if not isinstance(err, (AssetError, StoreError, ValueError, BoxGone, TimeoutError)):
+                    log.exception("encoding a frame of session %s failed", part.session)
+                lost[i] = f"encoding H.264 for model {part.model}: {err}"
+                units += [b""] * len(part.items)
+        self.to_frontend.send_multipart([pack(CompositeDone(
+            req=task.req, compositor=self.index, start=0, end=len(units), ok=True, lost=lost,
+            composite_ms=(time.perf_counter() - t0) * 1000)), *units], copy=False)
+
+    def _encode_session(self, part: EncodeSession) -> list:
+        assets = self.assets.get(part.model, part.version)
+        assets.check_frames([item.frame for item in part.items])
+        ctx, _ = self.encoders.get(part.session, assets.width, assets.height, part.settings)
+        units = []
+        for item in part.items:
+            i420, _, _ = self._i420(assets, item.frame, scratch=True)
+            box = item.box if item.kept < 0 else self.kept.take(part.session, item.kept)
+            if box is None:   # (this process restarted since): the frames are lost, the next is an IDR
+                raise BoxGone(f"the face box of frame {item.kept} is not kept here (any more)")
+            if box:
+                apply_box(i420, assets.width, assets.height, box)
+            units.append(encode_frame(ctx, i420, item.index, item.idr))
+        return units
 
     def _loop_step(self) -> None:
         """Encode the next frame of the oldest idle-loop task; reply when it is whole."""

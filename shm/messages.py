@@ -156,18 +156,26 @@ class EncodeItem(msgspec.Struct, array_like=True):
                                      # `kept` (CompositeTask.keep; a repeated frame names the first's)
 
 
-class EncodeFrames(_Msg):
-    """Frontend -> a live session's own compositing process: encode these frames, in order, with the
-    session's encoder. Answered with a CompositeDone carrying one Annex-B access unit per frame."""
+class EncodeSession(msgspec.Struct, array_like=True):
+    """One live session's frames in an EncodeFrames, in order, for the session's encoder."""
 
-    req: int
     session: str
     model: str
     version: int
     settings: H264Settings
     items: list[EncodeItem]
-    deadline: float
-    due: float = 0.0                 # when its first frame must go out
+    deadline: float                  # not started by then: its frames are lost (given up by the frontend)
+
+
+class EncodeFrames(_Msg):
+    """Frontend -> compositing process: the frames that one pacer tick decided for the live sessions
+    whose encoders this process keeps. Answered with a CompositeDone carrying one Annex-B access unit
+    per item, session after session; a session that failed (`CompositeDone.lost`) has empty ones."""
+
+    req: int
+    sessions: list[EncodeSession]
+    deadline: float                  # the latest of the sessions'
+    due: float = 0.0                 # when the first frame must go out
 
 
 class EncodeLoop(_Msg):
@@ -218,6 +226,7 @@ class CompositeDone(_Msg):
     hits: int = 0
     misses: int = 0
     images: Optional[TensorRef] = None   # raw format: uint8 [n, h, w, 3] in the compositor's image ring
+    lost: dict[int, str] = {}            # EncodeFrames: the sessions (by position) whose frames failed, and why
 
 
 class ReleaseImages(_Msg):

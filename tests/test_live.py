@@ -471,8 +471,8 @@ def test_h264_face_boxes_stay_with_the_sessions_encoder_and_a_dead_one_leaves_it
     _done(r)
     host.states[1] = CompositorState(ProcState.STARTING)   # the second session's compositor died
     clock.advance(sessions[0].due(max(firsts) + 2) - clock.now())
-    jobs = {s.token: [i for j in host.of(Kind.RENDER, EncodeJob) if j.work.token == s.token
-                      for i in j.work.task.items] for s in sessions}
+    jobs = {s.token: [i for j in host.of(Kind.RENDER, EncodeJob) for p in j.work.task.sessions
+                      if p.session == s.token for i in p.items] for s in sessions}
     kept = {i.index: i for i in jobs[sessions[0].token] if i.kept >= 0}
     assert sorted(kept) == list(range(firsts[0], firsts[0] + 3))
     assert all(i.kept == i.index and i.box == b"" for i in kept.values()), "the encode names the box kept"
@@ -481,6 +481,62 @@ def test_h264_face_boxes_stay_with_the_sessions_encoder_and_a_dead_one_leaves_it
     assert len(moved) == 3 and all(i.kept < 0 and i.box == b"" for i in moved), "idle: its boxes died"
     assert moved[0].idr or any(i.idr for i in jobs[sessions[1].token] if i.index < firsts[1])
     assert sessions[1].stats.missed == 3 and sessions[0].stats.missed == 0
+
+
+def test_h264_sessions_share_the_frame_grid_and_a_tick_encodes_in_one_request_per_compositor():
+    """Sessions opened at different moments have their frames due at the same instants (the frame grid):
+    one pacer tick decides every session's next frame and sends each compositor one request for all of
+    its sessions' frames (it used to be one per session and frame). A session whose frames fail in that
+    request loses them alone: the other session's frames go out as speech."""
+    live, host, clock = _live()
+    peers = [Peer(f"g{i}") for i in range(4)]
+    for peer in peers:
+        assert live.handle(_call("session_open", peer, model="a", format="h264"), []) is None
+        for r in host.of(Kind.LOAD, Pin):
+            if not r.results:
+                r.results = [SimpleNamespace(worker=0)]
+                _done(r)
+        for r in host.of(Kind.RENDER, LoopJob):
+            if not r.images:
+                r.images = {0: [b"loop"] * r.batch}
+                _done(r)
+        clock.advance(0.013)   # opened 13 ms apart
+    sessions = [live.table.get(_replies(host, peer)[-1]["session"]) for peer in peers]
+    assert len({s.t0 for s in sessions}) > 1
+    assert all(abs(s.t0 * FPS - round(s.t0 * FPS)) < 1e-6 for s in sessions), "t0 on the frame grid"
+    assert sorted(s.h264.compositor for s in sessions) == [0, 0, 1, 1]
+    for peer, s in zip(peers, sessions):
+        _audio(live, peer, s.token, 3)
+    clock.advance(1 / FPS)
+    for r in host.of(Kind.COMPOSITE, SpeechBatch):
+        r.images = {0: [b""] * r.batch}   # every box kept by its session's compositor
+        _done(r)
+    clock.advance(4 / FPS)
+    jobs = host.of(Kind.RENDER, EncodeJob)
+    assert len({(j.work.decided, j.compositor) for j in jobs}) == len(jobs), "one request per compositor a tick"
+    assert all({s.h264.compositor for s in sessions if s.token in [p.session for p in j.work.task.sessions]}
+               == {j.compositor} for j in jobs)
+    [both] = [j for j in jobs if len(j.work.task.sessions) == 2 and j.compositor == 0][:1]
+    first, second = (live.table.get(p.session) for p in both.work.task.sessions)
+    sent_before = [len(_frames(host, p)) for p in peers]
+    both.images = {0: [f"au-{p.session}-{i.index}".encode() for p in both.work.task.sessions for i in p.items]}
+    both.lost = {0: "encoding H.264 for model a: test"}
+    _done(both)
+    for j in jobs:
+        if j is not both:
+            j.images = {0: [b"au"] * j.batch}
+            _done(j)
+    clock.advance(3 / FPS)
+    by_session = {s.token: p for p, s in zip(peers, sessions)}
+    ours = [(h["index"], h["kind"], d[0]) for h, d in _frames(host, by_session[second.token])]
+    encoded = {f"au-{second.token}-{i.index}".encode() for i in both.work.task.sessions[1].items}
+    assert encoded <= {au for _, _, au in ours}, "the other session's frames went out"
+    lost = {i.index for i in both.work.task.sessions[0].items}
+    assert not lost & {h["index"] for h, _ in _frames(host, by_session[first.token])}, "the failed ones did not"
+    assert first.stats.dropped >= len(lost) and second.stats.dropped == 0   # (and what refers to them)
+    assert first.h264.need_idr or any(p.session == first.token and p.items[0].idr
+                                      for j in host.of(Kind.RENDER, EncodeJob)[len(jobs):] for p in j.work.task.sessions)
+    assert [len(_frames(host, p)) for p in peers] > sent_before
 
 
 def test_a_full_host_sheds_the_newest_speaking_sessions_speech_first():

@@ -123,6 +123,7 @@ class Request:
     answered: dict[str, float] = field(default_factory=dict)   # when the shell received each answer (live stages)
     output: Any = None                    # InferDone.output (a TensorRef) of an `infer`
     size: tuple[int, int] = (0, 0)        # (width, height) of composited frames
+    lost: dict[int, str] = field(default_factory=dict)   # RENDER of EncodeFrames: sessions whose frames failed
     gather_deadline: float = float("inf")
     pin: int = 0                          # LOAD: +1 keeps the model loaded on that worker (a live session)
     compositor: Optional[int] = None      # RENDER: only this compositor (an H.264 session's encoder lives there)

@@ -396,6 +396,7 @@ class Scheduler:
             return self._finish(r, msg.code or ErrorCode.INTERNAL, msg.message)
         r.images[msg.start] = frames
         r.size = (msg.width, msg.height)
+        r.lost.update(msg.lost)
         r.timing["composite_ms"] = max(r.timing.get("composite_ms", 0.0), msg.composite_ms)
         return [] if r.chunks else self._finish(r)
 

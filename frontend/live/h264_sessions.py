@@ -1,8 +1,10 @@
 """Live sessions in H.264, the shell of live/h264_stream.py: each session's encoder lives in one
 compositing process (cpu_actor/h264.py encodes), and this module hands it the frames its stream
-decided (engine `render` requests pinned to that compositor; a speech frame's face box was kept there
-when it was composited, live/speech.py), holds the access units that come back until due, and asks
-for the avatar's idle loop chunks, encoded once and shared by every session on that avatar.
+decided (a speech frame's face box was kept there when it was composited, live/speech.py), holds the
+access units that come back until due, and asks for the avatar's idle loop chunks, encoded once and
+shared by every session on that avatar. The frames one pacer tick decides go to each compositor in one
+engine `render` request pinned there (sessions share the frame grid, live/timeline.on_frame_grid: a
+tick serves them all), not one per session and frame.
 A compositor that dies takes its in-flight frames with it: they are skipped, the session moves to a
 ready compositor and its next frame is an IDR; speech whose box it kept goes out idle, missed.
 """
@@ -20,7 +22,7 @@ from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES, H264Stream, Kept
 from frontend.live.host import Host
 from frontend.live.idle import IdleCache, frame_bytes
 from frontend.live.timeline import LiveSession, SessionTable
-from shm.messages import EncodeFrames, EncodeItem, EncodeLoop, H264Settings
+from shm.messages import EncodeFrames, EncodeItem, EncodeLoop, EncodeSession, H264Settings
 
 log = logging.getLogger(__name__)
 ENCODE_GRACE_S = 0.5      # an encode not back this long after its frame was due is given up (skipped)
@@ -29,8 +31,8 @@ LOOP_TIMEOUT_S = 120.0
 
 @dataclass
 class EncodeJob:
-    """The work of an engine `render` request that encodes a session's frames on its encoder."""
-    token: str
+    """The work of an engine `render` request that encodes the frames one tick decided for the sessions
+    whose encoders one compositor keeps."""
     task: EncodeFrames        # what its compositor is sent (`message`)
     decided: float            # when its frames were decided (the clock's time)
     h264: "H264Sessions" = field(repr=False)
@@ -82,6 +84,8 @@ class H264Sessions:
         self._loop_ready, self._loop_failed = loop_ready, loop_failed   # sessions being opened wait for the loop
         self._skipped = metrics.session_frames.labels("skipped")
         self._placed: dict[str, int] = {}   # each H.264 session's compositor, from open (not from ready) to close
+        self._encodes: dict[int, list[EncodeSession]] = {}   # this tick's frames to encode, per compositor
+        self._last_due: dict[int, float] = {}   # per compositor: the `due` of the last EncodeFrames sent
 
     def settings(self, session: LiveSession) -> H264Settings:
         return H264Settings(fps=session.fps, bitrate=self.cfg.bitrate, preset=self.cfg.preset, gop=self.cfg.gop)
@@ -156,8 +160,8 @@ class H264Sessions:
     # -- frames ---------------------------------------------------------------------------------
 
     def tick(self, session: LiveSession, now: float) -> None:
-        """Decide the frames due within ENCODE_AHEAD_FRAMES, encode what the loop does not cover, send
-        what is due."""
+        """Decide the frames due within ENCODE_AHEAD_FRAMES, queue what the loop does not cover for its
+        encoder (`send_encodes` sends the tick's), send what is due."""
         stream = session.h264
         if not self.host.compositors()[stream.compositor].ready:   # it died: its encoder went with it
             stream.compositor = self._placed[session.token] = self._compositor(avoid=stream.compositor)
@@ -178,16 +182,29 @@ class H264Sessions:
         self.flush(session, now)
 
     def _encode(self, session: LiveSession, items: list[EncodeItem]) -> None:
-        stream = session.h264
         session.stats.encoded += len(items)
         spec = session.call.spec
-        deadline = session.due(items[-1].index) + ENCODE_GRACE_S
-        message = EncodeFrames(req=0, session=session.token, model=spec.id, version=spec.version,
-                               settings=self.settings(session), items=items, deadline=deadline,
-                               due=session.due(items[0].index))
-        request = Request(Kind.RENDER, spec.id, len(items), deadline=deadline,
-                          work=EncodeJob(session.token, message, self.clock.now(), self), compositor=stream.compositor)
-        self.host.submit(request)
+        part = EncodeSession(session=session.token, model=spec.id, version=spec.version,
+                             settings=self.settings(session), items=items,
+                             deadline=session.due(items[-1].index) + ENCODE_GRACE_S)
+        self._encodes.setdefault(session.h264.compositor, []).append(part)
+
+    def send_encodes(self) -> None:
+        """Send the frames this tick decided: one request per compositor."""
+        if not self._encodes:
+            return
+        encodes, self._encodes = self._encodes, {}
+        now = self.clock.now()
+        for compositor, parts in encodes.items():
+            sessions = [self.table.get(p.session) for p in parts]
+            due = min(s.due(p.items[0].index) for s, p in zip(sessions, parts))
+            # NOTE: the compositor takes its tasks by due time, in arrival order among equals; a session's
+            # frames must be encoded in order, so a later tick's request is never due before an earlier one
+            due = self._last_due[compositor] = max(due, self._last_due.get(compositor, due))
+            message = EncodeFrames(req=0, sessions=parts, deadline=max(p.deadline for p in parts), due=due)
+            request = Request(Kind.RENDER, parts[0].model, sum(len(p.items) for p in parts),
+                              deadline=message.deadline, work=EncodeJob(message, now, self), compositor=compositor)
+            self.host.submit(request)
 
     def flush(self, session: LiveSession, now: float) -> None:
         """Send the session's access units that are due, in order; wake again for the next one."""
@@ -218,26 +235,36 @@ class H264Sessions:
         self._loop_failed((job.key,), message)
 
     def encoded(self, r: Request, job: EncodeJob) -> None:
-        """A session's frames came back encoded: each access unit waits until due."""
-        session = self.table.get(job.token)
-        if session is None:
-            return
-        units = [frame_bytes(u) for start in sorted(r.images) for u in r.images[start]]
+        """Sessions' frames came back encoded: each access unit waits until due."""
+        units = [u for start in sorted(r.images) for u in r.images[start]]
         now = self.clock.now()
-        encode_ms = r.timing.get("composite_ms", 0.0)
+        encode_ms = r.timing.get("composite_ms", 0.0)   # the whole request's: its access units came back together
         waited = max((r.answered.get("composite", now) - job.decided) * 1000 - encode_ms, 0.0)
-        for item, au in zip(job.task.items, units):
-            unit = session.h264.encoded(item.index, au)
-            if unit is not None and unit.frame.kind == "speech":
-                unit.frame.stages = {**(unit.frame.stages or {}), "encode_wait": waited, "encode": encode_ms}
-                unit.frame.ready_at = now
-        self.flush(session, now)
+        at = 0
+        for i, part in enumerate(job.task.sessions):
+            mine, at = units[at:at + len(part.items)], at + len(part.items)
+            if i in r.lost:
+                self._lost(part, r.lost[i])
+                continue
+            session = self.table.get(part.session)
+            if session is None:
+                continue
+            for item, au in zip(part.items, mine):
+                unit = session.h264.encoded(item.index, frame_bytes(au))
+                if unit is not None and unit.frame.kind == "speech":
+                    unit.frame.stages = {**(unit.frame.stages or {}), "encode_wait": waited, "encode": encode_ms}
+                    unit.frame.ready_at = now
+            self.flush(session, now)
 
     def encode_failed(self, job: EncodeJob, message: str) -> None:
-        session = self.table.get(job.token)
+        for part in job.task.sessions:
+            self._lost(part, message)
+
+    def _lost(self, part: EncodeSession, message: str) -> None:
+        session = self.table.get(part.session)
         if session is None:
             return
-        for item in job.task.items:
+        for item in part.items:
             session.h264.lost(item.index)
-        log.info("%d H.264 frame(s) of session %s were lost: %s", len(job.task.items), session.token, message)
+        log.info("%d H.264 frame(s) of session %s were lost: %s", len(part.items), session.token, message)
         self.flush(session, self.clock.now())

@@ -30,7 +30,7 @@ from frontend.live.host import Host, OpenCall
 from frontend.live.idle import IdleCache, frame_bytes
 from frontend.live.shedding import LEVELS, NONE, WINDOW_S, Shedder
 from frontend.live.speech import SpeechBatcher
-from frontend.live.timeline import LiveSession, SessionTable
+from frontend.live.timeline import LiveSession, SessionTable, on_frame_grid
 from shm.codes import ErrorCode
 from shm.messages import RenderIdle
 
@@ -290,7 +290,7 @@ class Live:
             return
         del self._opening[session.token]
         opening.timer.cancel()
-        session.t0 = self.clock.now() + self.cfg.start_delay_ms / 1000
+        session.t0 = on_frame_grid(self.clock.now() + self.cfg.start_delay_ms / 1000, session.fps)
         self.table.add(session)
         self.metrics.sessions_open.set(len(self.table))
         if self.shedder is not None and self._shed_timer is None:
@@ -512,6 +512,7 @@ class Live:
             if session.next_index % max(int(session.fps // 2), 1) == 0:
                 self._prefetch(session)
             self.table.schedule(session)
+        self.h264.send_encodes()
         self.arm()
 
     def send(self, session: LiveSession, frame, now: float, keyframe: bool = False) -> bool:

@@ -2,7 +2,7 @@
 goes out when.
 
 A session streams frames k = 0, 1, 2, ... at `fps`; frame k is due at `t0 + k / fps` (the frontend's
-monotonic clock). A frame is speech when audio was placed on it and its composited image is ready by
+monotonic clock), t0 on the frame grid that every session at that fps shares (`on_frame_grid`). A frame is speech when audio was placed on it and its composited image is ready by
 then; otherwise it is the avatar's own background frame (idle, no inference). Speech that is not
 ready when due goes out as idle and counts as missed: the stream never waits.
 
@@ -449,6 +449,15 @@ class LiveSession:
         if late_ms > 1000 / self.fps:
             self.meter.late += 1
         self.stats.max_late_ms = max(self.stats.max_late_ms, late_ms)
+
+
+def on_frame_grid(t: float, fps: float) -> float:
+    """The first frame time at or after `t` on the grid of period 1/fps from the clock's zero.
+
+    NOTE: sessions at one fps all have their frames due at the same instants, so that one pacer tick
+    serves them all (the frames of one tick's sessions are encoded in one message per compositor,
+    live/h264_sessions.py); the price is that the last session of a tick goes out that tick's work later."""
+    return math.ceil(t * fps - 1e-6) / fps
 
 
 class SessionTable:
