@@ -144,6 +144,7 @@ class Frontend(Shell):
         self._stopping = True
 
     def close(self) -> None:
+        self.replies.flush()   # what the last pass of the loop admitted
         self.catalog.close()
         for ring in self.images:
             ring.close()

@@ -4,7 +4,10 @@ parts without a copy, and the raw frames a reply carries straight from the compo
 whose slots are freed once ZeroMQ has let go of the bytes.
 
 Every reply and live frame of the process goes through `Replies.send`; what a reply says is its
-call's (server/calls.py) or live/'s.
+call's (server/calls.py) or live/'s. The replies of one pass of the event loop (a pacer tick's frames
+for every session, the answers to a burst of requests) leave together at its end, back to back: a
+send that finds libzmq's I/O thread asleep wakes it (another thread, often another core, and on a
+virtual machine the dearest thing a send does), and sends in a row find it awake.
 """
 
 from __future__ import annotations
@@ -29,17 +32,19 @@ ZERO_COPY_BYTES = 64 * 1024   # smaller message parts are copied (pyzmq's own th
 
 class Replies:
     """`readable`: each client ROUTER's reader (server/process.Reader), woken again after a pass of
-    sends (`send`)."""
+    sends (`flush`)."""
 
     def __init__(self, backlogs: Backlogs, metrics, to_cpu: Sequence, readable: dict):
         self.backlogs, self.metrics, self.to_cpu, self.readable = backlogs, metrics, to_cpu, readable
-        self._recheck_due = False
+        self._out: list[tuple] = []   # admitted, to send at the end of this pass of the loop (`flush`)
+        self._flush_due = False
 
     def send(self, reply_to: ReplyTo, header: bytes, data: list = (), req: int = 0, image_slots=(),
              also: Optional[list] = None) -> bool:
-        """Send a reply unless the connection's unread backlog is full (then drop it and return False).
-        Raw frames leave from the image ring without a copy, except to a connection with a backlog:
-        those are copied first, so a client that stops reading pins no image slot for long."""
+        """Send a reply (at the end of this pass of the loop) unless the connection's unread backlog is
+        full (then drop it and return False). Raw frames leave from the image ring without a copy, except
+        to a connection with a backlog: those are copied first, so a client that stops reading pins no
+        image slot for long."""
         nbytes = len(header) + sum(memoryview(d).nbytes for d in data)
         entry = self.backlogs.admit(reply_to.conn, nbytes)
         if entry is None:
@@ -54,23 +59,35 @@ class Replies:
             data = [bytes(d) for d in data]
             self.free_images(req, image_slots)
             image_slots = ()
-        sock = reply_to.sock
-        try:
-            tracker = send_parts(sock, (*reply_to.peer[1], header, *data))
-        except zmq.ZMQError as err:
-            log.error("sending a reply failed: %s", err)
-            tracker = SENT
-        entry[0] = tracker
-        if also is not None:   # another bound counts this message too (a session's queued frames)
-            also[0] = tracker
-        if image_slots:
-            self._release_when_sent(tracker, req, set(image_slots))
-        # NOTE: a send may take the socket's edge-triggered fd event for a request that came in
-        # meanwhile: look once more after this pass of sends, so that its reader is not left waiting.
-        if not self._recheck_due:
-            self._recheck_due = True
-            asyncio.get_running_loop().call_soon(self._recheck_reads)
+        # (its entry counts the bytes as queued until `flush` gives it the send's tracker)
+        self._out.append((reply_to.sock, (*reply_to.peer[1], header, *data), entry, also, req, image_slots))
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._end_of_pass)
         return True
+
+    def _end_of_pass(self) -> None:
+        self.flush()
+        # NOTE: a send may take the socket's edge-triggered fd event for a request that came in
+        # meanwhile: look once more after a pass of sends, so that its reader is not left waiting.
+        for reader in self.readable.values():
+            reader.wake()
+
+    def flush(self) -> None:
+        """Send the replies admitted so far, in order."""
+        self._flush_due = False
+        out, self._out = self._out, []
+        for sock, parts, entry, also, req, image_slots in out:
+            try:
+                tracker = send_parts(sock, parts)
+            except zmq.ZMQError as err:
+                log.error("sending a reply failed: %s", err)
+                tracker = SENT
+            entry[0] = tracker
+            if also is not None:   # another bound counts this message too (a session's queued frames)
+                also[0] = tracker
+            if image_slots:
+                self._release_when_sent(tracker, req, set(image_slots))
 
     def error(self, reply_to: ReplyTo, request_id, code: ErrorCode, message: str,
               retry_after_s: Optional[float] = None) -> None:
@@ -79,11 +96,6 @@ class Replies:
     def free_images(self, req: int, compositors) -> None:
         for j in compositors:
             self.to_cpu[j].send(pack(ReleaseImages(req=req)))
-
-    def _recheck_reads(self) -> None:
-        self._recheck_due = False
-        for reader in self.readable.values():
-            reader.wake()
 
     def _release_when_sent(self, tracker, req: int, compositors: set[int]) -> None:
         """Raw frames leave straight from the compositors' image rings: free the slots once ZeroMQ
