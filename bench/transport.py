@@ -2,12 +2,13 @@
 send and receive, through pyzmq alone, in a process that does nothing else with them.
 
 A stand-in frontend (one thread, a `zmq.Poller` loop, libzmq's one I/O thread) paces `n` sessions at
-25 fps, each frame a 3-part message to its own DEALER over TCP; the `speaking` sessions also send an
-audio request every frame (an 8-KB window, as `bench sessions` does), answered with a small reply,
-and each of their frames costs what it costs the real frontend on the inside: a share of a batch's
-message to the inference side and back (10 frames a batch, the 110-KB face boxes coming back), an
-encode request carrying its box out to a compositor and the access unit coming back, over IPC.
-A second process plays every client, a third every worker.
+25 fps on one frame grid (as the real pacer does: every session's frame is due at the same instants),
+each frame a 3-part message to its own DEALER over TCP, sent back to back; the `speaking` sessions
+also send an audio request every frame (an 8-KB window, as `bench sessions` does), answered with a
+small reply, and each of their frames costs what it costs the real frontend on the inside: a share of
+a batch's message to the inference side and back (10 frames a batch, the 110-KB face boxes coming
+back), and a share of the tick's one encode request to a compositor, carrying its box out and its
+access unit back, over IPC. A second process plays every client, a third every worker.
 
 What it prints (`python -m bench transport`): the stand-in's CPU per frame sent, by thread: the
 least the frontend could spend on these messages in Python with pyzmq, against which the real one's
@@ -57,7 +58,7 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
     poller.register(router, zmq.POLLIN)
     poller.register(pull, zmq.POLLIN)
     start = time.monotonic() + 0.2
-    due = [start + i / FPS / n for i in range(n)]
+    due = [start] * n
     audio_in = 0
     sent = speech_sent = 0
     mark = start + warmup_s
@@ -70,6 +71,7 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
         if now >= end:
             break
         horizon = now + SLACK_S
+        encodes = []
         for i in range(n):
             if due[i] > horizon:
                 continue
@@ -81,9 +83,10 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
             sent += 1
             speech_sent += au is not None
             if i < speaking:   # the next frame's encode, with the box the batch brought back
-                box = boxes.pop() if boxes else bytes(box_bytes)
-                push.send(i.to_bytes(2, "little"), zmq.SNDMORE | zmq.NOBLOCK)
-                push.send(box, zmq.NOBLOCK, copy=False)
+                encodes.append((i, boxes.pop() if boxes else bytes(box_bytes)))
+        if encodes:   # the tick's encodes in one request
+            ids = b"".join(i.to_bytes(2, "little") for i, _ in encodes)
+            push.send_multipart([b"encode", ids, *(box for _, box in encodes)], zmq.NOBLOCK, copy=False)
         timeout = math.ceil(max(min(due) - SLACK_S - time.monotonic(), 0) * 1000)
         for sock, _ in poller.poll(timeout):
             while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -94,11 +97,13 @@ def _frontend(to_worker: str, from_worker: str, n: int, speaking: int, seconds: 
                     audio_in += 1
                     if audio_in % BATCH == 0:
                         push.send(b"infer", zmq.NOBLOCK)
-                elif len(parts) == BATCH:   # a batch's boxes
-                    boxes.extend(p.buffer for p in parts)
+                elif parts[0].bytes == b"boxes":   # a batch's boxes
+                    boxes.extend(p.buffer for p in parts[1:])
                     boxes[:] = boxes[-4 * BATCH:]
-                else:                        # an access unit
-                    aus[int.from_bytes(parts[0].bytes, "little")] = parts[1].buffer
+                else:                               # a tick's access units
+                    ids = parts[1].bytes
+                    for j, au in enumerate(parts[2:]):
+                        aus[int.from_bytes(ids[2 * j:2 * j + 2], "little")] = au.buffer
     cpu1 = thread_cpu_s(os.getpid())
     threads = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
     out.put({"frames": sent, "speech": speech_sent, "seconds": seconds, "threads": threads})
@@ -143,9 +148,9 @@ def _worker(to_worker: str, from_worker: str, box_bytes: int, stop) -> None:
             continue
         parts = pull.recv_multipart(copy=False)
         if len(parts) == 1:
-            push.send_multipart(boxes, copy=False)
+            push.send_multipart([b"boxes", *boxes], copy=False)
         else:
-            push.send_multipart([parts[0].bytes, au])
+            push.send_multipart([b"aus", parts[1].bytes, *[au] * (len(parts[1].bytes) // 2)])
     ctx.destroy(linger=0)
 
 
