@@ -121,6 +121,7 @@ class Live:
         self.idle = IdleCache(self.cfg.idle_cache_bytes)
         self.queued = Backlogs(self.cfg.max_queued_frames)   # frames sent and not read, per session
         self.pacer = Alarm(self._tick, clock)   # rings when the earliest session frame is due
+        self._ticking: Optional[list] = None   # during a tick: its frames sent, stamped when it ends
         self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm,
                                  self._check_opens, self._opens_failed, clock)
         self.speech = SpeechBatcher(host, self.table, config.limits.max_batch, self.cfg.latency_budget_ms, self._key,
@@ -503,16 +504,25 @@ class Live:
         # frames leaving up to PACER_SLACK_S early.
         now = self.clock.now()
         horizon = now + PACER_SLACK_S
-        for session in self.table.due(horizon):
-            if session.h264 is not None:
-                self.h264.tick(session, horizon)
-            else:
-                for frame in session.advance(horizon):
-                    self.send(session, frame, now)
-            if session.next_index % max(int(session.fps // 2), 1) == 0:
-                self._prefetch(session)
-            self.table.schedule(session)
-        self.h264.send_encodes()
+        self._ticking = sent = []
+        try:
+            for session in self.table.due(horizon):
+                if session.h264 is not None:
+                    self.h264.tick(session, horizon)
+                else:
+                    for frame in session.advance(horizon):
+                        self.send(session, frame, now)
+                if session.next_index % max(int(session.fps // 2), 1) == 0:
+                    self._prefetch(session)
+                self.table.schedule(session)
+            self.h264.send_encodes()
+        finally:
+            self._ticking = None
+        # NOTE: the tick's frames leave together when it ends (server/replies.py): that is when they
+        # count as sent, so a tick's own length shows in their lateness
+        end = self.clock.now()
+        for session, frame in sent:
+            self._sent(session, frame, end)
         self.arm()
 
     def send(self, session: LiveSession, frame, now: float, keyframe: bool = False) -> bool:
@@ -545,7 +555,15 @@ class Live:
                 counted["dropped"].inc()
                 return False
         session.last_image = image
+        if self._ticking is not None:
+            self._ticking.append((session, frame))
+        else:
+            self._sent(session, frame, now)
+        return True
+
+    def _sent(self, session: LiveSession, frame, now: float) -> None:
         session.sent(frame, now)
+        counted = self._counted
         counted[frame.kind].inc()
         self._lateness.observe(max((now - frame.due) * 1000, 0.0))
         if frame.missed:
@@ -554,4 +572,3 @@ class Live:
             counted["shed"].inc()
         elif frame.kind == "speech":
             self._speech_sent += 1
-        return True
