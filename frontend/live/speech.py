@@ -168,8 +168,9 @@ class SpeechBatcher:
                             key=lambda pair: pair[0])   # one run of frames per compositor
             items = [it for _, it in placed]
             keep = [(it[0], it[1], compositor) for compositor, it in placed]
+        # (the batch's windows in one buffer, copied into the worker's input slot at dispatch)
         audio = np.ascontiguousarray(np.stack([w for _, _, _, _, w, _ in items]), "<f4")
-        inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio.tobytes(), "windows",
+        inputs = Inputs(model, version, [b for _, _, b, _, _, _ in items], audio, "windows",
                         tuple(spec.audio_shape), format=fmt, quality=quality, enqueued=self.clock.now(),
                         due=min(due for _, _, _, due, _, _ in items))
         request = Request(Kind.COMPOSITE, model, len(items), deadline=max(due for _, _, _, due, _, _ in items),
