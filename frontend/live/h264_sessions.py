@@ -196,8 +196,10 @@ class H264Sessions:
         encodes, self._encodes = self._encodes, {}
         now = self.clock.now()
         for compositor, parts in encodes.items():
-            sessions = [self.table.get(p.session) for p in parts]
-            due = min(s.due(p.items[0].index) for s, p in zip(sessions, parts))
+            dues = [s.due(p.items[0].index) for p in parts if (s := self.table.get(p.session)) is not None]
+            if not dues:   # (every one of them closed meanwhile)
+                continue
+            due = min(dues)
             # NOTE: the compositor takes its tasks by due time, in arrival order among equals; a session's
             # frames must be encoded in order, so a later tick's request is never due before an earlier one
             due = self._last_due[compositor] = max(due, self._last_due.get(compositor, due))
