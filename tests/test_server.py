@@ -320,3 +320,37 @@ def test_models_over_many_directories_answers_at_once_and_fills_in(tmp_path):
         assert header["ok"] and c.health()["status"] == "ready"
         complete = c.models()   # waits for the pending ones
         assert all(not m["pending"] and m["frames"] == 2 and m["audio_shape"] == [32, 16, 16] for m in complete)
+
+
+def test_a_reader_takes_a_burst_in_turns_and_nothing_once_closed():
+    """The frontend's socket readers (server/process.Reader), on a real event loop and a real fd: a
+    burst (`take` stops at its limit) goes on in a later turn of the loop, not in one go; a closed
+    reader (a draining frontend reads no more requests) takes nothing, though every pass of sends
+    wakes each reader in case a send took its socket's fd edge."""
+    import os
+    from frontend.server.process import Reader
+
+    async def main():
+        r, w = os.pipe()
+        left = [3]   # a burst of three takes' worth
+
+        def take() -> bool:
+            taken.append(left[0])
+            left[0] = max(left[0] - 1, 0)
+            return left[0] == 0
+        taken: list = []
+        reader = Reader(r, take)
+        assert taken == [3], "what came before the fd was watched is taken at once, one take a turn"
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert taken == [3, 2, 1]
+        reader.wake()
+        assert taken == [3, 2, 1, 0]
+        reader.close()
+        reader.wake()
+        os.write(w, b"x")
+        await asyncio.sleep(0.01)
+        assert taken == [3, 2, 1, 0], "a closed reader takes nothing"
+        os.close(r), os.close(w)
+
+    asyncio.run(main())

@@ -363,12 +363,14 @@ class Reader:
         self._loop = asyncio.get_running_loop()
         self._fd, self._take = fd, take
         self._turn: Optional[asyncio.Handle] = None   # a burst's next turn, queued behind the rest of the loop
+        self._closed = False
         self._loop.add_reader(fd, self.wake)
         self.wake()   # what came before the fd was watched
 
     def wake(self) -> None:
-        """Take what waits (also called after sends, which may have taken the fd's edge)."""
-        if self._turn is None and not self._take():
+        """Take what waits (also called after sends, which may have taken the fd's edge); nothing once
+        closed (a draining server reads no more requests)."""
+        if self._turn is None and not self._closed and not self._take():
             self._turn = self._loop.call_soon(self._next_turn)
 
     def _next_turn(self) -> None:
@@ -376,6 +378,7 @@ class Reader:
         self.wake()
 
     def close(self) -> None:
+        self._closed = True
         self._loop.remove_reader(self._fd)
         if self._turn is not None:
             self._turn.cancel()
