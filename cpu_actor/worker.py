@@ -279,13 +279,15 @@ class Compositor:
         units: list = []
         lost: dict[int, str] = {}
         for i, part in enumerate(task.sessions):
+            if time.monotonic() > part.deadline:   # given up already: encoding it would only delay the next
+                lost[i] = "the deadline passed before encoding started"
+                units += [b""] * len(part.items)
+                continue
             try:
-                if time.monotonic() > part.deadline:   # given up already: encoding it would only delay the next
-                    raise TimeoutError("the deadline passed before encoding started")
                 units += self._encode_session(part)
-            except Exception as err:
+            except Exception as err:   # the session's next frames start a new encoder
                 self.encoders.close(part.session)
-                if not isinstance(err, (AssetError, StoreError, ValueError, BoxGone, TimeoutError)):
+                if not isinstance(err, (AssetError, StoreError, ValueError, BoxGone)):
                     log.exception("encoding a frame of session %s failed", part.session)
                 lost[i] = f"encoding H.264 for model {part.model}: {err}"
                 units += [b""] * len(part.items)

@@ -32,7 +32,7 @@ ZERO_COPY_BYTES = 64 * 1024   # smaller message parts are copied (pyzmq's own th
 
 class Replies:
     """`readable`: each client ROUTER's reader (server/process.Reader), woken again after a pass of
-    sends (`flush`)."""
+    sends (`_end_of_pass`)."""
 
     def __init__(self, backlogs: Backlogs, metrics, to_cpu: Sequence, readable: dict):
         self.backlogs, self.metrics, self.to_cpu, self.readable = backlogs, metrics, to_cpu, readable
