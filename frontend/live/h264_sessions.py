@@ -129,8 +129,14 @@ class H264Sessions:
     # -- the idle loop --------------------------------------------------------------------------
 
     def _loop_key(self, session: LiveSession, start: int) -> tuple:
-        spec = session.call.spec
-        return ("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, start)
+        """The cache key of the idle loop chunk at `start`; the session's stream keeps them (`loop_keys`):
+        looked up for every frame, they are built once."""
+        stream = session.h264
+        if not stream.loop_keys:
+            spec = session.call.spec
+            stream.loop_keys = [("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, at)
+                                for at in range(0, stream.period, stream.chunk)]
+        return stream.loop_keys[start // stream.chunk]
 
     def loop_keys(self, session: LiveSession) -> set:
         """The cache keys of the avatar's idle loop chunks (none without sessions.h264.idle_loop)."""

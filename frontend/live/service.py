@@ -520,9 +520,7 @@ class Live:
             self._ticking = None
         # NOTE: the tick's frames leave together when it ends (server/replies.py): that is when they
         # count as sent, so a tick's own length shows in their lateness
-        end = self.clock.now()
-        for session, frame in sent:
-            self._sent(session, frame, end)
+        self._sent(sent, self.clock.now())
         self.arm()
 
     def send(self, session: LiveSession, frame, now: float, keyframe: bool = False) -> bool:
@@ -558,17 +556,25 @@ class Live:
         if self._ticking is not None:
             self._ticking.append((session, frame))
         else:
-            self._sent(session, frame, now)
+            self._sent([(session, frame)], now)
         return True
 
-    def _sent(self, session: LiveSession, frame, now: float) -> None:
-        session.sent(frame, now)
-        counted = self._counted
-        counted[frame.kind].inc()
-        self._lateness.observe(max((now - frame.due) * 1000, 0.0))
-        if frame.missed:
-            counted["missed"].inc()
-        elif frame.shed:
-            counted["shed"].inc()
-        elif frame.kind == "speech":
-            self._speech_sent += 1
+    def _sent(self, sent: list, now: float) -> None:
+        """Frames that left at `now` ([(session, frame)]: a tick's, or one): their sessions' stats, and
+        the counters and the lateness histogram once for them all, not per frame."""
+        counts = dict.fromkeys(("speech", "idle", "missed", "shed"), 0)
+        late = []
+        for session, frame in sent:
+            session.sent(frame, now)
+            counts[frame.kind] += 1
+            late.append(max((now - frame.due) * 1000, 0.0))
+            if frame.missed:
+                counts["missed"] += 1
+            elif frame.shed:
+                counts["shed"] += 1
+            elif frame.kind == "speech":
+                self._speech_sent += 1
+        for kind, n in counts.items():
+            if n:
+                self._counted[kind].inc(n)
+        self._lateness.observe(late)

@@ -66,7 +66,10 @@ class Stats:
     missed_in: dict = field(default_factory=dict)    # stage a missed speech frame was still in when due
 
     def stage(self, name: str, ms: float) -> None:
-        self.stages_ms.setdefault(name, deque(maxlen=4096)).append(ms)
+        values = self.stages_ms.get(name)
+        if values is None:   # (not setdefault: its default would be built for every value)
+            values = self.stages_ms[name] = deque(maxlen=4096)
+        values.append(ms)
 
     def as_dict(self) -> dict:
         lat = np.asarray(self.latency_ms) if self.latency_ms else None
@@ -401,7 +404,8 @@ class LiveSession:
     def advance(self, now: float) -> list[Outgoing]:
         """Every frame due by `now` + `ahead`, in order: speech when ready, else idle (speech missed)."""
         out = []
-        while self.needed_by(self.next_index) <= now:
+        t0, fps, ahead = self.t0, self.fps, self.ahead
+        while t0 + self.next_index / fps - ahead <= now:   # (needed_by, inline: it runs for every frame sent)
             k = self.next_index
             speech = self.speech.pop(k, None)
             if speech is not None and (speech.repeat or speech.shed):   # the host sheds this session's speech
@@ -435,20 +439,23 @@ class LiveSession:
 
     def sent(self, frame: Outgoing, now: float) -> None:
         late_ms = (now - frame.due) * 1000
+        stats = self.stats
         if frame.kind == "speech":
-            self.stats.speech += 1
-            self.stats.latency_ms.append((now - frame.received) * 1000)
-            for name, ms in (frame.stages or {}).items():
-                self.stats.stage(name, ms)
+            stats.speech += 1
+            stats.latency_ms.append((now - frame.received) * 1000)
+            if frame.stages:
+                for name, ms in frame.stages.items():
+                    stats.stage(name, ms)
             if frame.ready_at:
-                self.stats.stage("hold", (now - frame.ready_at) * 1000)
+                stats.stage("hold", (now - frame.ready_at) * 1000)
         else:
-            self.stats.idle += 1
+            stats.idle += 1
         if late_ms > 40:
-            self.stats.late += 1
+            stats.late += 1
         if late_ms > 1000 / self.fps:
             self.meter.late += 1
-        self.stats.max_late_ms = max(self.stats.max_late_ms, late_ms)
+        if late_ms > stats.max_late_ms:
+            stats.max_late_ms = late_ms
 
 
 def on_frame_grid(t: float, fps: float) -> float:

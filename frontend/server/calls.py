@@ -112,8 +112,8 @@ class Call:
 
     def _outcome(self, outcome: str) -> None:
         metrics = self.server.metrics
-        metrics.requests.labels(self.header.op.value, self.label, outcome).inc()
-        metrics.latency.labels("total").observe((time.monotonic() - self.t0) * 1000)
+        metrics.of(metrics.requests, self.header.op.value, self.label, outcome).inc()
+        metrics.of(metrics.latency, "total").observe((time.monotonic() - self.t0) * 1000)
 
     def _timing(self, r: Request) -> P.Timing:
         return P.Timing(**r.timing, total_ms=(time.monotonic() - self.t0) * 1000)
@@ -134,7 +134,7 @@ class Call:
             self.server.error(self.reply_to, self.header.id, ErrorCode.UNAVAILABLE,
                               f"the worker restarted while the reply was read ({err})")
             return None, None
-        self.server.metrics.frames.labels(self.label).inc(r.batch)
+        self.server.metrics.of(self.server.metrics.frames, self.label).inc(r.batch)
         return P.encode(P.InferReply(id=self.header.id, batch=r.batch, timing=self._timing(r),
                                      worker=self._worker_info(r))), data + self._audio_out(r.batch)
 
@@ -143,7 +143,7 @@ class Call:
         header = P.encode(P.CompositeReply(
             id=self.header.id, batch=r.batch, format=self.header.format or self.server.config.output.format,
             width=width, height=height, frames=self.frames, timing=self._timing(r), worker=self._worker_info(r)))
-        self.server.metrics.frames.labels(self.label).inc(r.batch)
+        self.server.metrics.of(self.server.metrics.frames, self.label).inc(r.batch)
         return header, [img for start in sorted(r.images) for img in r.images[start]] + self._audio_out(r.batch)
 
     def _audio_out(self, batch: int) -> list:

@@ -41,7 +41,7 @@ class Intake:
     def request(self, index: int, sock, frames: list) -> None:
         """A client's message, as it came in on ROUTER `index`."""
         # Envelope: routing id, then frames up to and including the empty delimiter.
-        delim = next((i for i, f in enumerate(frames) if len(f.buffer) == 0), None)
+        delim = next((i for i, f in enumerate(frames) if not len(f)), None)   # (len: a frame's size)
         if delim is None:  # a DEALER that sent no delimiter: answer in kind
             client, body = ReplyTo(sock, [frames[0]]), frames[1:]
         else:
@@ -55,7 +55,7 @@ class Intake:
             client.tenant = self.tenants.get(body[0].get("User-Id"))
         try:
             lim = self.config.limits
-            check_message([len(f.buffer) for f in body], lim.max_header_bytes, lim.max_message_bytes)
+            check_message([len(f) for f in body], lim.max_header_bytes, lim.max_message_bytes)
             header = parse_header(body[0].bytes)
             payload = [f.buffer for f in body[1:]]
             check_request(header, payload, lim.max_batch)
@@ -79,7 +79,7 @@ class Intake:
         self._submit(call, payload)
 
     def _refuse(self, call: Call, err: RequestError) -> None:
-        self.metrics.requests.labels(call.header.op.value, call.label, err.code.value).inc()
+        self.metrics.of(self.metrics.requests, call.header.op.value, call.label, err.code.value).inc()
         self.server.error(call.reply_to, call.header.id, err.code, err.message, err.retry_after_s)
 
     def _timeout_s(self, header: P.RequestHeader) -> float:
@@ -158,7 +158,7 @@ class Intake:
         except RequestError as err:
             self._refuse(call, err)
             return
-        self.metrics.requests.labels(header.op.value, call.label, "ok").inc()
+        self.metrics.of(self.metrics.requests, header.op.value, call.label, "ok").inc()
         if reply is not None:   # (a session_open is answered by live/ once its session is ready)
             self.server.send(call.reply_to, reply)
 

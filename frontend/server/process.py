@@ -48,7 +48,7 @@ from shm.ring import SlotRing
 log = logging.getLogger(__name__)
 STATE_SYNC_TIMEOUT_S = 5.0
 GAUGES_S = 1.0   # how often the depth gauges (queues, slots, backlogs, H.264 placement) are set
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)   # ints: no enum lookups per message
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)   # ints: no enum lookups per message
 
 
 class Frontend(Shell):
@@ -285,9 +285,10 @@ class Frontend(Shell):
 
     def _infer_done(self, msg: InferDone, data: list) -> None:
         self._answered(msg.req, "infer")
-        self.metrics.latency.labels("queue").observe(msg.queue_ms)
+        metrics = self.metrics
+        metrics.of(metrics.latency, "queue").observe(msg.queue_ms)
         if msg.ok:
-            self.metrics.latency.labels("inference").observe(msg.inference_ms)
+            metrics.of(metrics.latency, "inference").observe(msg.inference_ms)
         self.apply(self.engine.infer_done(msg))
 
     def _composite_done(self, msg: CompositeDone, data: list) -> None:
@@ -316,9 +317,10 @@ class Frontend(Shell):
             r = self.engine.table.get(msg.req)
             model = r.model if r is not None and r.kind is not Kind.RENDER else None
             if model is not None:
-                self.metrics.latency.labels("composite").observe(msg.composite_ms)
-                self.metrics.store.labels(model, "hit").inc(msg.hits)
-                self.metrics.store.labels(model, "miss").inc(msg.misses)
+                metrics = self.metrics
+                metrics.of(metrics.latency, "composite").observe(msg.composite_ms)
+                metrics.of(metrics.store, model, "hit").inc(msg.hits)
+                metrics.of(metrics.store, model, "miss").inc(msg.misses)
                 lookups = self.store_lookups.setdefault(model, {"hits": 0, "misses": 0})
                 lookups["hits"] += msg.hits
                 lookups["misses"] += msg.misses
@@ -387,11 +389,18 @@ class Reader:
 
 def _take(sock: zmq.Socket, handle: Callable[[list], None], most: int = 256) -> bool:
     """Handle the messages waiting on `sock`; False if `most` were taken and more may wait."""
-    # NOTE: asking EVENTS costs a third of the zmq.Again a receive raises when none waits (each wake-up's last)
+    # NOTE: asking EVENTS costs a third of the zmq.Again a receive raises when none waits (each wake-up's last).
+    # A message's parts are taken by each received frame's `more`, not by recv_multipart's RCVMORE
+    # socket option per part (a Python-level option lookup each).
     for _ in range(most):
         if not sock.getsockopt(_EVENTS) & _POLLIN:
             return True
-        handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = sock.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        handle(frames)
     return False
 
 

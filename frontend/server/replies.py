@@ -45,7 +45,9 @@ class Replies:
         full (then drop it and return False). Raw frames leave from the image ring without a copy, except
         to a connection with a backlog: those are copied first, so a client that stops reading pins no
         image slot for long."""
-        nbytes = len(header) + sum(memoryview(d).nbytes for d in data)
+        nbytes = len(header)
+        for d in data:
+            nbytes += len(d) if type(d) is bytes else memoryview(d).nbytes
         entry = self.backlogs.admit(reply_to.conn, nbytes)
         if entry is None:
             self.metrics.replies_dropped.inc()
@@ -112,6 +114,9 @@ class Replies:
 
 
 _MORE, _LAST = int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.NOBLOCK)   # ints: no enum arithmetic per part
+# NOTE: pyzmq's own send, under the Python-level wrapper of zmq.Socket (which only adds the draft
+# routing_id and group arguments): every part of every reply and frame goes through it.
+_send = zmq.backend.Socket.send
 
 
 def send_parts(sock: zmq.Socket, parts: tuple):
@@ -122,14 +127,17 @@ def send_parts(sock: zmq.Socket, parts: tuple):
     last = len(parts) - 1
     for i, part in enumerate(parts):
         flags = _MORE if i < last else _LAST
+        if type(part) is bytes and len(part) < ZERO_COPY_BYTES:   # routing ids, headers, most frames
+            _send(sock, part, flags, True)
+            continue
         if isinstance(part, zmq.Frame):
             # NOTE: pyzmq cannot track a received (untracked) frame: send its buffer instead (still no
             # copy; the memoryview keeps the received frame alive)
             part = part.buffer
         if memoryview(part).nbytes < ZERO_COPY_BYTES:
-            sock.send(part, flags, copy=True)
+            _send(sock, part, flags, True)
         else:
-            trackers.append(sock.send(part, flags, copy=False, track=True))
+            trackers.append(_send(sock, part, flags, False, True))
     if not trackers:
         return SENT
     return trackers[0] if len(trackers) == 1 else zmq.MessageTracker(*trackers)
