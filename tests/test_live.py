@@ -255,6 +255,29 @@ def test_speech_is_batched_across_sessions_then_paced_out_in_order():
         live.handle(_call("session_close", owners[tokens.index(token)], session=token), [])
 
 
+def test_speech_waiting_to_share_a_batch_is_submitted_by_the_pacers_tick_when_it_rings_first():
+    """Speech frames wait at most a frame period for other sessions' to share their batch. When the
+    pacer rings within that wait, its tick submits them (the process wakes once for both); when it
+    rings later (a 5-fps session: a tick every 200 ms), a timer of their own does, at the wait's end."""
+    for fps, by_tick in ((FPS, True), (5, False)):
+        live, host, clock = _live()
+        peer = Peer(f"t{fps}")
+        token = _open(live, peer, fps=fps)
+        at = []
+        record = host.submit
+        host.submit = lambda r: (at.append((clock.t, r)), record(r))
+        clock.advance(0.313)   # streaming, between two ticks
+        _audio(live, peer, token, 2)
+        sent, tick = clock.t, live.pacer.at
+        wait = min(1 / fps, 0.280 / 4)   # a frame period, at most a quarter of the latency budget
+        assert tick is not None and (tick <= sent + wait) == by_tick
+        assert not [r for _, r in at if isinstance(r.work, SpeechBatch)], "they wait to share"
+        clock.advance(0.5)
+        [(when, batch)] = [(t, r) for t, r in at if isinstance(r.work, SpeechBatch)]
+        assert batch.batch == 2
+        assert when == pytest.approx(tick if by_tick else sent + wait), (fps, when - sent)
+
+
 def test_a_failed_speech_batch_goes_out_idle_and_counts_missed():
     live, host, clock = _live()
     owner = Peer("owner")

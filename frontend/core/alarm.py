@@ -52,6 +52,11 @@ class Alarm:
         self._at = when
         self._handle = self._clock.call_at(when, self._fire)
 
+    @property
+    def at(self) -> Optional[float]:
+        """When it rings next (None: not armed)."""
+        return self._at if self._handle is not None else None
+
     def _fire(self) -> None:
         self._handle, self._at = None, float("inf")
         self._ring()

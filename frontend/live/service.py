@@ -125,7 +125,7 @@ class Live:
         self.h264 = H264Sessions(host, self.cfg.h264, self.table, self.idle, metrics, self.send, self.arm,
                                  self._check_opens, self._opens_failed, clock)
         self.speech = SpeechBatcher(host, self.table, config.limits.max_batch, self.cfg.latency_budget_ms, self._key,
-                                    clock)
+                                    clock, next_tick=lambda: self.pacer.at)
         if viewer is not None:
             self.attach_viewer(viewer)
         self._opening: dict[str, Opening] = {}   # session_opens not answered yet (`_open`), by token
@@ -515,6 +515,7 @@ class Live:
                 if session.next_index % max(int(session.fps // 2), 1) == 0:
                     self._prefetch(session)
                 self.table.schedule(session)
+            self.speech.tick()
             self.h264.send_encodes()
         finally:
             self._ticking = None
