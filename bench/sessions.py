@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +33,7 @@ from config.audio import write_speech
 from tests.helpers import base_config, free_port, run_server
 
 FPS = 25.0
+MAX_IN_FLIGHT = 16   # a session's audio chunks sent and not yet answered
 
 
 def _models(demo_dir: Path, root: Path) -> Path:
@@ -90,6 +92,7 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
         chunk_samples = 3200 if tts else 320
         t0 = time.monotonic() + rng.uniform(0, step)
         speaking_until, tick, sent = 0.0, 0, 0
+        in_flight: deque = deque()
         next_burst = t0 + (rng.uniform(0, burst_s / duty) if duty else float("inf"))
         while (now := time.monotonic()) - t0 < seconds:
             if now >= next_burst:
@@ -97,16 +100,22 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
                 next_burst = speaking_until + burst_s * (1 - duty) / duty * rng.uniform(0.7, 1.3)
                 sent = 0
             if now < speaking_until:
+                # (streamed as a voice agent's client does: a chunk's reply is not waited for before the
+                # next chunk goes, only checked)
                 if pcm is None:
-                    await s.send_audio(window)
+                    in_flight.append(s.push_audio(window))
                 elif sent < len(pcm):
                     chunk = pcm[sent:sent + chunk_samples]
                     sent += len(chunk)
                     ending = sent >= len(pcm) or now + step >= speaking_until
-                    await s.send_audio(chunk, last=ending)
+                    in_flight.append(s.push_audio(chunk, last=ending))
                     sent = len(pcm) if ending else sent
+            while in_flight and (len(in_flight) > MAX_IN_FLIGHT or in_flight[0].done()):
+                await in_flight.popleft()
             tick += 1
             await asyncio.sleep(max(t0 + tick * step - time.monotonic(), 0))
+        for reply in in_flight:
+            await reply
         stats = await s.close()
         reader.cancel()
         return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9), "busy": refusals}

@@ -381,3 +381,44 @@ def test_the_avatar_sdk_waits_for_room_on_a_full_server_as_the_server_says(model
     with run_server(tmp_path, cfg) as srv:
         holder = Session(srv.endpoint, "a")
         asyncio.run(scenario(srv.endpoint))
+
+
+def test_the_avatar_sdk_streams_audio_without_waiting_for_each_reply(server):
+    """AvatarStream.say sends a chunk and returns without waiting for its reply (chunks in flight, in
+    the socket's order), so that a TTS's pace is not the server's round trip: with the frontend
+    stopped (SIGSTOP), five chunks are said all the same (one that waited would time out, AvatarGone);
+    once it runs again, `end` has every reply, and the utterance's frames carry exactly the samples
+    said."""
+    import asyncio
+    import os
+    import signal
+
+    from lipsync_client.avatar import AvatarStream
+    pcm = (np.random.default_rng(5).standard_normal(5 * 8000) * 3000).astype("<i2")
+    frontend = server.pids("frontend")[0]
+
+    async def scenario() -> None:
+        stream = AvatarStream(server.endpoint, "a", sample_rate=16000)
+        await stream.open()
+        try:
+            u = stream.begin()
+            os.kill(frontend, signal.SIGSTOP)
+            try:
+                for i in range(5):   # (each chunk past the model's look-ahead: each one is sent)
+                    await stream.say(pcm[i * 8000:(i + 1) * 8000], u)
+            finally:
+                os.kill(frontend, signal.SIGCONT)
+            assert await stream.end(u) == u
+            said = []
+            while True:
+                frame = await stream.next()
+                if frame.utterance == u:
+                    said.append(frame.audio)
+                    if frame.ended:
+                        break
+            got = np.frombuffer(b"".join(said), "<i2")
+            assert np.array_equal(got[:len(pcm)], pcm) and not got[len(pcm):].any()
+        finally:
+            await stream.close()
+
+    asyncio.run(scenario())

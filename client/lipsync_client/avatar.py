@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +37,7 @@ from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError
 LOOKAHEAD_SAMPLES = 7240     # at 16 kHz: what frame 0 of an utterance needs before it can be inferred
 STALL_S = 3.0                # no frame for this long (the server sends 25 a second): the server is gone
 REQUEST_TIMEOUT_S = 5.0
+MAX_IN_FLIGHT = 16           # audio chunks sent and not yet answered (then `say` waits for the oldest)
 BUSY_WAIT_S = 10.0           # a full server (`busy`): how long `open` asks again for room before giving up
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class AvatarStream:
         self._head: Optional[bytearray] = None   # ... its first samples, until the look-ahead is in hand
         self._head_needed = -(-LOOKAHEAD_SAMPLES * sample_rate // SAMPLE_RATE)
         self.playing: set[int] = set()        # said, and not yet played to its last frame
+        # NOTE: chunks go out without waiting for each reply (their order is the socket's), so that the
+        # TTS's pace is not the server's round trip; what a reply says is raised at the next say or end
+        self._in_flight: deque[asyncio.Task] = deque()
         self._idle_image: Optional[bytes] = None   # the last idle frame (shown in place of cut speech)
 
     async def open(self) -> dict:
@@ -102,6 +107,9 @@ class AvatarStream:
         return info
 
     async def close(self) -> None:
+        for task in self._in_flight:
+            task.cancel()
+        self._in_flight.clear()
         if self._opened:
             self._opened = False
             await self._session.__aexit__(None, None, None)
@@ -147,6 +155,7 @@ class AvatarStream:
         if not sent and not len(head):
             return None
         await self._send(utterance, head, last=True)
+        await self._answered(0)   # every chunk of it answered, as when each was awaited
         return utterance
 
     async def interrupt(self) -> None:
@@ -156,12 +165,22 @@ class AvatarStream:
         self.retired = self._last_id
         self._id, self._head = None, None
         self.playing.clear()
+        for task in self._in_flight:   # what their replies say no longer matters: they are retired
+            task.cancel()
+        self._in_flight.clear()
         await self._call(self._session.interrupt(self.retired or None))
 
     async def _send(self, utterance: int, pcm: np.ndarray, last: bool) -> None:
         self._sent = True
         self.playing.add(utterance)
-        await self._call(self._session.send_audio(pcm, last=last, utterance=utterance))
+        await self._answered(MAX_IN_FLIGHT - 1)
+        self._in_flight.append(self._session.push_audio(pcm, last=last, utterance=utterance))
+
+    async def _answered(self, most: int) -> None:
+        """Wait until at most `most` chunks are unanswered; raise what an answered one said (ServerError;
+        AvatarGone when the server did not answer)."""
+        while self._in_flight and (len(self._in_flight) > most or self._in_flight[0].done()):
+            await self._call(self._in_flight.popleft())
 
     async def next(self) -> AvatarFrame:
         """The next frame, as the server paces it (25 fps); AvatarGone when none comes for stall_s."""

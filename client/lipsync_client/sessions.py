@@ -165,10 +165,19 @@ class AsyncSession:
                 future.set_result(frames)
 
     async def _request(self, op: str, payload=(), **fields) -> dict:
+        return await self._reply(op, *self._send(op, payload, fields))
+
+    def _send(self, op: str, payload, fields: dict) -> tuple:
+        """Send a request now, in order with every other request of the session (pyzmq queues a send it
+        cannot make at once, in order); `_reply` waits for its answer."""
         rid = next(self._ids)
         future = self._waiting[rid] = asyncio.get_running_loop().create_future()
+        sent = self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
+        return rid, sent, future
+
+    async def _reply(self, op: str, rid: int, sent: asyncio.Future, future: asyncio.Future) -> dict:
         try:
-            await self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
+            await sent
             return wire.parse(await asyncio.wait_for(future, self.timeout_s))[0]
         except asyncio.TimeoutError:
             raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s") from None
@@ -176,8 +185,16 @@ class AsyncSession:
             self._waiting.pop(rid, None)
 
     async def send_audio(self, audio: np.ndarray, last: bool = False, utterance: Optional[int] = None) -> dict:
-        return await self._request("session_audio", [_audio_frame(audio)], session=self.token, last=last or None,
-                                   utterance=utterance)
+        return await self.push_audio(audio, last, utterance)
+
+    def push_audio(self, audio: np.ndarray, last: bool = False, utterance: Optional[int] = None) -> asyncio.Task:
+        """Send a chunk now, without waiting for its reply: the reply comes in the returned task. A client
+        that streams audio keeps several chunks in flight, so that its pace is not the server's round
+        trip (a remote server's: a TTS's 20-ms chunks, each awaited, would stream at most at 20 ms /
+        round trip of real time)."""
+        fields = {"session": self.token, "last": last or None, "utterance": utterance}
+        return asyncio.ensure_future(self._reply("session_audio", *self._send("session_audio", [_audio_frame(audio)],
+                                                                                 fields)))
 
     async def interrupt(self, utterance: Optional[int] = None) -> int:
         return (await self._request("session_interrupt", session=self.token, utterance=utterance))["dropped"]
