@@ -70,6 +70,10 @@ class Metrics:
             child = self._children[key] = metric.labels(*values)
         return child
 
+    def count_request(self, op: str, model: str, outcome: str) -> None:
+        """A request ended: `lipsync_requests` by op, model label and outcome (ok or an error code)."""
+        self.of(self.requests, op, model, outcome).inc()
+
     def serve(self, host: str, port: int, ready) -> None:
         """/metrics, /healthz and /readyz on `port` (frontend/probes.py); 0 disables them."""
         from frontend.probes import serve

@@ -96,7 +96,10 @@ class H264Sessions:
         spec = session.call.spec
         period = spec.frames * (2 if spec.order == "mirror" else 1)
         compositor = self._placed[session.token] = self._compositor()
-        session.h264 = H264Stream(compositor, session.start_frame, period, self.cfg.loop_chunk)
+        stream = session.h264 = H264Stream(compositor, session.start_frame, period, self.cfg.loop_chunk)
+        # (the idle loop chunks' cache keys, looked up for every frame: built once)
+        stream.loop_keys = [("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, start)
+                            for start in range(0, period, stream.chunk)]
         session.ahead = ENCODE_AHEAD_FRAMES / session.fps
         session.shed_whole = True   # a repeated speech frame is encoded all the same (live/shedding.py)
         # The latency budget holds from audio to frame: speech is decided that much before due.
@@ -129,20 +132,12 @@ class H264Sessions:
     # -- the idle loop --------------------------------------------------------------------------
 
     def _loop_key(self, session: LiveSession, start: int) -> tuple:
-        """The cache key of the idle loop chunk at `start`; the session's stream keeps them (`loop_keys`):
-        looked up for every frame, they are built once."""
-        stream = session.h264
-        if not stream.loop_keys:
-            spec = session.call.spec
-            stream.loop_keys = [("h264-loop", spec.id, spec.version, self.settings(session), self.cfg.loop_chunk, at)
-                                for at in range(0, stream.period, stream.chunk)]
-        return stream.loop_keys[start // stream.chunk]
+        """The cache key of the idle loop chunk at `start` (built at `open`)."""
+        return session.h264.loop_keys[start // session.h264.chunk]
 
     def loop_keys(self, session: LiveSession) -> set:
         """The cache keys of the avatar's idle loop chunks (none without sessions.h264.idle_loop)."""
-        if not self.cfg.idle_loop:
-            return set()
-        return {self._loop_key(session, start) for start in range(0, session.h264.period, session.h264.chunk)}
+        return set(session.h264.loop_keys) if self.cfg.idle_loop else set()
 
     def prefetch(self, session: LiveSession) -> None:
         """Ask for the avatar's idle loop chunks not cached or coming (each once, any compositor)."""

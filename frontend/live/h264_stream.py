@@ -61,7 +61,7 @@ class H264Stream:
         self.broken = False        # a frame was lost: nothing goes out until the next IDR
         self.units: dict[int, Unit] = {}   # decided, not yet sent
         self.next_send = 0
-        self.loop_keys: list = []  # the idle loop chunks' cache keys, by start // chunk (live/h264_sessions.py)
+        self.loop_keys: list = []  # the idle loop chunks' cache keys, by start // chunk (set by live/h264_sessions.py)
 
     def chunk_of(self, k: int) -> tuple[int, int]:
         """(loop chunk start, offset in it) of frame k."""

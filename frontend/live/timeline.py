@@ -2,9 +2,10 @@
 goes out when.
 
 A session streams frames k = 0, 1, 2, ... at `fps`; frame k is due at `t0 + k / fps` (the frontend's
-monotonic clock), t0 on the frame grid that every session at that fps shares (`on_frame_grid`). A frame is speech when audio was placed on it and its composited image is ready by
-then; otherwise it is the avatar's own background frame (idle, no inference). Speech that is not
-ready when due goes out as idle and counts as missed: the stream never waits.
+monotonic clock), t0 on the frame grid that every session at that fps shares (`on_frame_grid`). A
+frame is speech when audio was placed on it and its composited image is ready by then; otherwise it
+is the avatar's own background frame (idle, no inference). Speech that is not ready when due goes out
+as idle and counts as missed: the stream never waits.
 
 Speech placement: a chunk of n frames lands right after the previous speech when that is still at
 least `lead` frames ahead of the frame going out now, else at the earliest frame `lead` ahead (the

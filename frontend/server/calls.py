@@ -112,7 +112,7 @@ class Call:
 
     def _outcome(self, outcome: str) -> None:
         metrics = self.server.metrics
-        metrics.of(metrics.requests, self.header.op.value, self.label, outcome).inc()
+        metrics.count_request(self.header.op.value, self.label, outcome)
         metrics.of(metrics.latency, "total").observe((time.monotonic() - self.t0) * 1000)
 
     def _timing(self, r: Request) -> P.Timing:

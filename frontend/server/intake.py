@@ -63,13 +63,13 @@ class Intake:
                 raise RequestError(ErrorCode.FORBIDDEN, f"model {header.model!r} does not belong to tenant "
                                    f"{client.tenant.name}; use one of its models", header.id)
         except RequestError as err:
-            self.metrics.requests.labels("invalid", "", err.code.value).inc()
+            self.metrics.count_request("invalid", "", err.code.value)
             self.server.error(client, err.request_id, err.code, err.message)
             return
         call = Call(header, client, time.monotonic(), self.server)
         if header.op is P.Op.HEALTH:
             self.server.send(client, control.health(self.server, call))
-            self.metrics.requests.labels("health", "", "ok").inc()
+            self.metrics.count_request("health", "", "ok")
             return
         if header.op is P.Op.MODELS or (header.model is not None and header.op is not P.Op.STATS
                                         and self.catalog.known(header.model) is None):
@@ -79,7 +79,7 @@ class Intake:
         self._submit(call, payload)
 
     def _refuse(self, call: Call, err: RequestError) -> None:
-        self.metrics.of(self.metrics.requests, call.header.op.value, call.label, err.code.value).inc()
+        self.metrics.count_request(call.header.op.value, call.label, err.code.value)
         self.server.error(call.reply_to, call.header.id, err.code, err.message, err.retry_after_s)
 
     def _timeout_s(self, header: P.RequestHeader) -> float:
@@ -92,7 +92,7 @@ class Intake:
             if header.op is P.Op.MODELS:
                 reply = await asyncio.wait_for(control.models(self.server, call), max(budget, 0.001))
                 self.server.send(call.reply_to, reply)
-                self.metrics.requests.labels("models", "", "ok").inc()
+                self.metrics.count_request("models", "", "ok")
                 return
             await asyncio.wait_for(self.catalog.get(header.model), max(budget, 0.001))
         except asyncio.TimeoutError:
@@ -158,7 +158,7 @@ class Intake:
         except RequestError as err:
             self._refuse(call, err)
             return
-        self.metrics.of(self.metrics.requests, header.op.value, call.label, "ok").inc()
+        self.metrics.count_request(header.op.value, call.label, "ok")
         if reply is not None:   # (a session_open is answered by live/ once its session is ready)
             self.server.send(call.reply_to, reply)
 
@@ -167,7 +167,7 @@ class Intake:
             await asyncio.wait_for(asyncio.shield(self.viewer_task), VIEWER_START_TIMEOUT_S)
         except Exception as err:
             log.exception("the WebRTC viewer did not start")
-            self.metrics.requests.labels(call.header.op.value, call.label, ErrorCode.UNAVAILABLE.value).inc()
+            self.metrics.count_request(call.header.op.value, call.label, ErrorCode.UNAVAILABLE.value)
             self.server.error(call.reply_to, call.header.id, ErrorCode.UNAVAILABLE,
                               f"header.webrtc: the WebRTC viewer did not start ({type(err).__name__}: {err}); "
                               "see the server's log")

@@ -45,9 +45,7 @@ class Replies:
         full (then drop it and return False). Raw frames leave from the image ring without a copy, except
         to a connection with a backlog: those are copied first, so a client that stops reading pins no
         image slot for long."""
-        nbytes = len(header)
-        for d in data:
-            nbytes += len(d) if type(d) is bytes else memoryview(d).nbytes
+        nbytes = len(header) + sum(map(_nbytes, data))
         entry = self.backlogs.admit(reply_to.conn, nbytes)
         if entry is None:
             self.metrics.replies_dropped.inc()
@@ -119,6 +117,11 @@ _MORE, _LAST = int(zmq.NOBLOCK) | int(zmq.SNDMORE), int(zmq.NOBLOCK)   # ints: n
 _send = zmq.backend.Socket.send
 
 
+def _nbytes(part) -> int:
+    # (bytes, most parts: routing ids, headers, frames, without a memoryview each)
+    return len(part) if type(part) is bytes else memoryview(part).nbytes
+
+
 def send_parts(sock: zmq.Socket, parts: tuple):
     """Send one message without blocking (a ROUTER never blocks: a peer past its high-water mark loses
     it). Small parts are copied; large ones leave without a copy, and the returned tracker covers
@@ -127,14 +130,11 @@ def send_parts(sock: zmq.Socket, parts: tuple):
     last = len(parts) - 1
     for i, part in enumerate(parts):
         flags = _MORE if i < last else _LAST
-        if type(part) is bytes and len(part) < ZERO_COPY_BYTES:   # routing ids, headers, most frames
-            _send(sock, part, flags, True)
-            continue
         if isinstance(part, zmq.Frame):
             # NOTE: pyzmq cannot track a received (untracked) frame: send its buffer instead (still no
             # copy; the memoryview keeps the received frame alive)
             part = part.buffer
-        if memoryview(part).nbytes < ZERO_COPY_BYTES:
+        if _nbytes(part) < ZERO_COPY_BYTES:
             _send(sock, part, flags, True)
         else:
             trackers.append(_send(sock, part, flags, False, True))
