@@ -1,12 +1,14 @@
-"""The CUDA path: onnxruntime's CUDA provider with IO binding and cupy device buffers.
+"""The CUDA side of gpu_actor/device.CudaDevice, in cupy: device buffers, copies between them and the
+shared-memory slots, memory figures. Only imported where a worker runs on a GPU (`inference.devices`).
 
-Per batch: the inputs are copied from their shm slot to the device once (host -> device), the
-output is bound to a device buffer and copied from it straight into the destination shm slot once
-(device -> host). No other host copy. Device buffers are allocated once per worker and grown to the
-largest batch seen. Only imported where a worker runs on a GPU (`inference.devices`).
+Buffers are allocated once (a prepared architecture's staging buffers, a model's weights) and never
+move, so a binding made once stays valid. Copies run on cupy's null stream, which the device's `run`
+synchronises before onnxruntime's stream reads them.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
@@ -15,53 +17,64 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the install
     raise ImportError("a GPU worker needs cupy: install the gpu extra (LIPSYNC_EXTRAS=gpu python3 dev.py run)") from err
 
-from config.assets import ModelIO
+log = logging.getLogger(__name__)
+
+
+def block_while_waiting(device_id: int) -> None:
+    """Make the host thread sleep, not spin, while it waits for the GPU (cudaDeviceScheduleBlockingSync):
+    the inference process then uses a core's fraction, not a whole core, whatever the GPU's load.
+    NOTE: before the device's context exists (before any session or buffer), or CUDA refuses."""
+    try:
+        cp.cuda.runtime.setDevice(device_id)
+        cp.cuda.runtime.setDeviceFlags(cp.cuda.runtime.deviceScheduleBlockingSync)
+    except Exception as err:   # a context made before us: waits spin, which costs CPU, not results
+        log.warning("cuda:%d: cannot make waits block (%s); the worker's thread spins while the GPU runs",
+                    device_id, err)
 
 
 def device_memory_used(device_id: int) -> int:
-    """Bytes in use on the device (all processes): the registry measures a load as the delta."""
+    """Bytes in use on the device (all processes)."""
     with cp.cuda.Device(device_id):
         free, total = cp.cuda.runtime.memGetInfo()
     return int(total - free)
 
 
 def device_memory_free(device_id: int) -> int:
-    """Bytes free on the device now: a worker sizes its sub-batches from it (gpu_actor/runner.py)."""
+    """Bytes free on the device now."""
     with cp.cuda.Device(device_id):
         free, _ = cp.cuda.runtime.memGetInfo()
     return int(free)
 
 
-class CudaBinding:
-    def __init__(self, session, io: ModelIO, device_id: int):
-        self.session, self.io, self.device_id = session, io, device_id
-        self._capacity = 0
-        self._visual = self._audio = self._out = None
+def zeros(device_id: int, shape: tuple[int, ...], dtype) -> cp.ndarray:
+    with cp.cuda.Device(device_id):
+        return cp.zeros(shape, dtype)
 
-    def _buffers(self, batch: int):
-        if batch > self._capacity:
-            with cp.cuda.Device(self.device_id):
-                self._visual = cp.empty((batch, 6, 320, 320), cp.float32)
-                self._audio = cp.empty((batch, *self.io.audio_shape), cp.float32)
-                self._out = cp.empty((batch, 3, 320, 320), cp.float32)
-            self._capacity = batch
-        return self._visual[:batch], self._audio[:batch], self._out[:batch]
 
-    def run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray) -> None:
-        batch = visual.shape[0]
-        with cp.cuda.Device(self.device_id):
-            d_visual, d_audio, d_out = self._buffers(batch)
-            d_visual.set(np.ascontiguousarray(visual))
-            d_audio.set(np.ascontiguousarray(audio))
-            # NOTE: .set() runs on the null stream; onnxruntime uses its own stream, so wait here.
-            cp.cuda.Stream.null.synchronize()
-            binding = self.session.io_binding()
-            binding.bind_input(self.io.visual, "cuda", self.device_id, np.float32, list(d_visual.shape),
-                               d_visual.data.ptr)
-            binding.bind_input(self.io.audio, "cuda", self.device_id, np.float32, list(d_audio.shape),
-                               d_audio.data.ptr)
-            binding.bind_output(self.io.output, "cuda", self.device_id, np.float32, list(d_out.shape),
-                                d_out.data.ptr)
-            self.session.run_with_iobinding(binding)
-            binding.synchronize_outputs()
-            d_out.get(out=out)  # device -> the destination shm slot, no host staging copy
+def resident(device_id: int, arrays: list[np.ndarray]) -> list[cp.ndarray]:
+    """A model's weights uploaded (the load thread), complete before its first call reads them."""
+    with cp.cuda.Device(device_id):
+        on_device = [cp.asarray(a) for a in arrays]
+        cp.cuda.Stream.null.synchronize()
+    return on_device
+
+
+def upload(device_id: int, dst: cp.ndarray, src: np.ndarray) -> None:
+    with cp.cuda.Device(device_id):
+        dst.set(np.ascontiguousarray(src))
+
+
+def zero(device_id: int, dst: cp.ndarray) -> None:
+    with cp.cuda.Device(device_id):
+        dst.fill(0)
+
+
+def download(device_id: int, src: cp.ndarray, dst: np.ndarray) -> None:
+    """Device -> the destination shm slot, no host staging copy."""
+    with cp.cuda.Device(device_id):
+        src.get(out=dst)
+
+
+def synchronize(device_id: int) -> None:
+    with cp.cuda.Device(device_id):
+        cp.cuda.Stream.null.synchronize()

@@ -1,10 +1,14 @@
 """The models one inference worker holds: lazy loads off the request path, caps, eviction, stats.
 
-Loads run on one background thread (session creation and the warm-up run), so a worker keeps
-serving its other models while one loads; the loop learns of a finished load through `poll_loads`.
-Caps: `inference.max_models_per_worker` and `inference.max_model_bytes` (bytes measured after load:
-resident-memory delta on the CPU, device-memory delta on a GPU). Over a cap the idle model chosen by
-`inference.eviction` (lru | lfu) goes; a model with work queued or running is never evicted.
+Loads run on one background thread, so a worker keeps serving its other models while one loads; the
+loop learns of a finished load through `poll_loads`. On the CPU a load is a session of the model's own
+and its warm-up run; on a GPU (and the stand-in device) it is reading the weights and uploading them,
+and the first model of an architecture also prepares the architecture's session at every batch size
+(gpu_actor/shared.py) before it counts as loaded.
+Caps: `inference.max_models_per_worker` and `inference.max_model_bytes` (a model's bytes: its weights
+on a GPU, the resident-memory delta of its load on the CPU). Over a cap the idle model chosen by
+`inference.eviction` (lru | lfu) goes; a model with work queued or running is never evicted. A load
+the device has no memory for evicts an idle model and tries again; with none idle, that load fails.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-import psutil
 
 from config.assets import AssetError
-from gpu_actor.runner import ModelRunner, cuda_id
+from gpu_actor.device import make_device
+from gpu_actor.runner import ModelRunner
+from gpu_actor.shared import Architectures
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ class ModelStats:
     loads: int = 0
     evictions: int = 0
     load_ms: float = 0.0
+    nbytes: int = 0              # what the model holds: its weights on a GPU, its load's resident memory on the CPU
     last_used: float = 0.0       # wall clock, for people
     uses: int = 0
     infer_ms: deque = field(default_factory=lambda: deque(maxlen=1024))
@@ -41,7 +47,7 @@ class ModelStats:
     def as_dict(self) -> dict[str, float]:
         ms = np.asarray(self.infer_ms) if self.infer_ms else np.zeros(1)
         return {"requests": self.requests, "frames": self.frames, "errors": self.errors, "loads": self.loads,
-                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "last_used": self.last_used,
+                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "nbytes": self.nbytes, "last_used": self.last_used,
                 "inference_ms_p50": float(np.percentile(ms, 50)), "inference_ms_p99": float(np.percentile(ms, 99))}
 
 
@@ -62,13 +68,19 @@ class LoadResult:
     code: str = ""
 
 
+def _out_of_memory(err: Exception) -> bool:
+    """cupy's OutOfMemoryError, or onnxruntime's failed allocation on the device."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return "outofmemory" in text or "out of memory" in text or "failed to allocate memory" in text
+
+
 class Registry:
-    def __init__(self, device: str, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
+    def __init__(self, device, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
                  on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False,
                  companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
-                 workers: int = 1):
-        self.device = device
+                 workers: int = 1, max_batch: int = 32):
+        self.device = make_device(device) if isinstance(device, str) else device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
         self._threads, self._tensorrt, self._spin = threads, tensorrt, spin
@@ -84,6 +96,8 @@ class Registry:
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
+        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin) \
+            if self.device.shared_weights else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -106,31 +120,38 @@ class Registry:
         if path is None:
             return False
         self._make_room(extra=1)
-        future = self._pool.submit(self._load, model, path)
-        future.add_done_callback(lambda _: self._wake())
-        self.loading[model] = future
+        self.loading[model] = self._submit(model, path)
         return True
+
+    def _submit(self, model: str, path: Optional[Path]) -> cf.Future:
+        if path is None:   # gone from the catalog meanwhile
+            future: cf.Future = cf.Future()
+            future.set_result(LoadResult(model, None, 0, 0.0, f"unknown model {model!r}", "unknown_model"))
+        else:
+            future = self._pool.submit(self._load, model, path)
+        future.add_done_callback(lambda _: self._wake())
+        return future
 
     def _load(self, model: str, path: Path) -> LoadResult:
         t0 = time.perf_counter()
-        before = self._memory()
+        before = self.device.memory_used()
         try:
-            runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin, *self._batch_memory)
-            runner.warm_up()
+            if self.architectures is not None:
+                runner = self.architectures.load(path, model)
+                nbytes = runner.nbytes
+            else:
+                runner = ModelRunner(path, self.device.name, self._threads, self._tensorrt, self._spin,
+                                     *self._batch_memory)
+                runner.warm_up()
+                # The byte cap is checked on what the load really cost; never below the file's size.
+                nbytes = max(self.device.memory_used() - before, path.stat().st_size)
             self._companions(model)
         except AssetError as err:
             return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
         except Exception as err:  # a model must never take the worker down
-            return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {err}", "bad_request")
-        # The byte cap is checked on what the load really cost; never below the file's size.
-        nbytes = max(self._memory() - before, path.stat().st_size)
+            code = "out_of_memory" if _out_of_memory(err) else "bad_request"
+            return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {str(err)[:300]}", code)
         return LoadResult(model, runner, nbytes, (time.perf_counter() - t0) * 1000, None)
-
-    def _memory(self) -> int:
-        if self.device == "cpu":
-            return psutil.Process().memory_info().rss
-        from gpu_actor.cuda import device_memory_used
-        return device_memory_used(cuda_id(self.device))
 
     def poll_loads(self) -> list[LoadResult]:
         """Finished loads, now in the loaded set (or failed); call from the worker loop."""
@@ -141,12 +162,19 @@ class Registry:
             del self.loading[model]
             result = future.result()
             stats = self.stat(model)
+            if result.code == "out_of_memory" and self._evict_one(keep=model):
+                self.loading[model] = self._submit(model, self._resolve(model))   # again, with room made
+                continue
+            if result.code == "out_of_memory":
+                result.code = "overloaded"
+                result.error = (f"{result.error} (the device has no memory for model {model} and every loaded "
+                                "model is in use: retry when fewer are, or lower inference.max_models_per_worker)")
             if result.runner is None:
                 stats.errors += 1
                 self._on_event(model, "failed", 0.0, 0)
             else:
                 stats.loads += 1
-                stats.load_ms = result.load_ms
+                stats.load_ms, stats.nbytes = result.load_ms, result.nbytes
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
                 self._on_event(model, "loaded", result.load_ms, result.nbytes)
                 if model in self._unload_when_loaded:
@@ -169,16 +197,22 @@ class Registry:
 
     def _make_room(self, extra: int, keep: Optional[str] = None) -> None:
         while self._over_cap(extra):
-            idle = [(m, s) for m, s in self.loaded.items() if not self._held(m) and m != keep]
-            if not idle:
+            if not self._evict_one(keep):
                 log.warning("model cap exceeded but every loaded model is busy; evicting later")
                 return
-            if self.eviction == "lfu":
-                victim = min(idle, key=lambda ms: (self.stat(ms[0]).uses, ms[1].last_used))[0]
-            else:
-                victim = min(idle, key=lambda ms: ms[1].last_used)[0]
-            self.stat(victim).evictions += 1
-            self._drop(victim, "evicted")
+
+    def _evict_one(self, keep: Optional[str] = None) -> bool:
+        """Evict the idle model `inference.eviction` picks; False if every loaded model is held."""
+        idle = [(m, s) for m, s in self.loaded.items() if not self._held(m) and m != keep]
+        if not idle:
+            return False
+        if self.eviction == "lfu":
+            victim = min(idle, key=lambda ms: (self.stat(ms[0]).uses, ms[1].last_used))[0]
+        else:
+            victim = min(idle, key=lambda ms: ms[1].last_used)[0]
+        self.stat(victim).evictions += 1
+        self._drop(victim, "evicted")
+        return True
 
     def _drop(self, model: str, event: str) -> None:
         self.loaded.pop(model)

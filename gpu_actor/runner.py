@@ -1,16 +1,16 @@
-"""One ONNX model on one device: find its inputs by rank and shape, run a batch into a given buffer.
+"""One ONNX model in a session of its own on the CPU provider: find its inputs by rank and shape, run a
+batch into a given buffer. (On a GPU, and on the stand-in device, models share one prepared session per
+architecture instead: gpu_actor/shared.py.)
 
-On the CPU the inputs are bound straight from their shared-memory views and the output straight
-into the destination slot (IO binding), so a batch costs no copy besides the model's own work.
-On CUDA the inputs are copied host -> device once, the output is bound to a device buffer and copied
-device -> the destination slot once (cupy); see gpu_actor/cuda.py.
+The inputs are bound straight from their shared-memory views and the output straight into the
+destination slot (IO binding), so a batch costs no copy besides the model's own work.
 A model with a fixed batch dimension is run in chunks of that size, the last one padded.
 
 Memory: a batch is run as consecutive sub-batches into the same output buffer, each at most
 `max_frames` frames, so one request costs at most the worker's batch-memory budget whatever its size.
 `max_frames` is sized once, at warm-up, from the model's measured peak memory per frame (the growth
-from a 1-frame to a 2-frame run: peak resident memory on the CPU, device memory on a GPU) and the
-budget (`inference.batch_memory_bytes`, or half of what the device has free, shared by its workers).
+of peak resident memory from a 1-frame to a 2-frame run) and the budget (`inference.batch_memory_bytes`,
+or half of the memory free, shared by the device's workers).
 
 On the CPU a batch runs one frame per call, its visual input built just before the call (`run` takes a
 function for it): a call over B frames takes each op over all B frames before the next op, and at
@@ -30,6 +30,7 @@ import psutil
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import VISUAL_SHAPE
+from gpu_actor.device import DeviceError, cuda_id
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -41,26 +42,12 @@ MIN_FRAME_BYTES = 4 * (6 + 3) * 320 * 320   # a frame's input and output: the le
 CPU_CALL_FRAMES = 1   # frames per onnxruntime call on the CPU (the module's docstring says why)
 
 
-class DeviceError(RuntimeError):
-    """A worker's device cannot run models at all; the message says what to install or configure."""
-
-
-def cuda_id(device: str) -> int:
-    """The GPU index of a worker's device string, "cuda:N"."""
-    return int(device.split(":")[1])
-
-
 def _providers(device: str, tensorrt: bool = False) -> list:
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
-    device_id = cuda_id(device)
-    providers: list = [("CUDAExecutionProvider", {"device_id": device_id})]
-    if tensorrt:
-        providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
-    return providers
+    from gpu_actor.device import CpuDevice, CudaDevice
+    return CpuDevice().providers() if device == "cpu" else CudaDevice.providers_for(cuda_id(device), tensorrt)
 
 
-def _require_cuda(session: ort.InferenceSession, device: str) -> None:
+def require_provider(session: ort.InferenceSession, device: str) -> None:
     # NOTE: onnxruntime does not fail when the CUDA provider cannot load (no onnxruntime-gpu, or its
     # CUDA / cuDNN libraries missing): it warns and runs on the CPU. A GPU worker must not.
     if device != "cpu" and "CUDAExecutionProvider" not in session.get_providers():
@@ -90,7 +77,7 @@ def check_device(device: str) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    _require_cuda(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
+    require_provider(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
     from gpu_actor.cuda import device_memory_used  # cupy, which moves the tensors, must work there too
     try:
         device_memory_used(cuda_id(device))
@@ -101,17 +88,11 @@ def check_device(device: str) -> None:
                           "picks it by the driver)") from None
 
 
-def _dims(shape) -> list:
+def dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
 
-def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
-                 spin: bool = False) -> ort.InferenceSession:
-    if device != "cpu":
-        from gpu_actor.cuda_libs import preload
-        preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
-    # NOTE: here, in the load thread: a worker imports onnxruntime (20-30 ms) with its first model, not
-    # before READY (on a GPU, check_device has imported it by then).
+def session_options(threads: int, spin: bool) -> ort.SessionOptions:
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -123,13 +104,25 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     options.log_severity_level = 3
+    return options
+
+
+def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
+                 spin: bool = False) -> ort.InferenceSession:
+    if device != "cpu":
+        from gpu_actor.cuda_libs import preload
+        preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
+    # NOTE: here, in the load thread: a worker imports onnxruntime (20-30 ms) with its first model, not
+    # before READY (on a GPU, check_device has imported it by then).
+    import onnxruntime as ort
+    options = session_options(threads, spin)
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
     try:
         session = ort.InferenceSession(str(path), options, providers=_providers(device, tensorrt))
     except Exception as err:  # onnxruntime raises its own exception types for bad files
         raise AssetError(f"{path}: onnxruntime cannot load it: {str(err).splitlines()[0][:300]}") from None
-    _require_cuda(session, device)
+    require_provider(session, device)
     return session
 
 
@@ -158,6 +151,9 @@ def _peak_rss() -> int:
 class ModelRunner:
     def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False,
                  batch_memory_bytes: int = 0, workers: int = 1):
+        if device != "cpu":
+            raise DeviceError(f"{path}: a model on {device} runs in its architecture's shared session "
+                              "(gpu_actor/shared.py), not a session of its own")
         self.path = path
         self.device = device
         self.batch_memory_bytes, self._workers = batch_memory_bytes, workers
@@ -165,12 +161,8 @@ class ModelRunner:
         self.max_frames: Optional[int] = None  # frames per onnxruntime call; None: the whole batch
         self.session = make_session(path, device, threads, tensorrt, spin)
         self.io: ModelIO = classify_io(
-            [(i.name, _dims(i.shape)) for i in self.session.get_inputs()],
-            [(o.name, _dims(o.shape)) for o in self.session.get_outputs()], str(path))
-        self._cuda = None
-        if device != "cpu":
-            from gpu_actor.cuda import CudaBinding
-            self._cuda = CudaBinding(self.session, self.io, cuda_id(device))
+            [(i.name, dims(i.shape)) for i in self.session.get_inputs()],
+            [(o.name, dims(o.shape)) for o in self.session.get_outputs()], str(path))
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
             out: np.ndarray) -> None:
@@ -182,7 +174,7 @@ class ModelRunner:
                              f"got {list(audio.shape)}")
         frames = visual if callable(visual) else lambda start, end: visual[start:end]
         step = self.io.batch or min(batch, self.max_frames or batch)
-        if self._cuda is None and not self.io.batch:
+        if not self.io.batch:
             step = min(step, CPU_CALL_FRAMES)
         for start in range(0, batch, step):
             end = min(start + step, batch)
@@ -200,9 +192,6 @@ class ModelRunner:
                 out[start:end] = pad_o[: end - start]
 
     def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray, shrink: bool = False) -> None:
-        if self._cuda is not None:
-            self._cuda.run(visual, audio, out)
-            return
         binding = self.session.io_binding()
         for name, array in ((self.io.visual, visual), (self.io.audio, audio)):
             array = np.ascontiguousarray(array)
@@ -222,21 +211,13 @@ class ModelRunner:
         self.run(np.zeros((batch, 6, 320, 320), np.float32), np.zeros((batch, *self.io.audio_shape), np.float32), out)
 
     def _memory(self) -> int:
-        """Peak bytes since `_peak_reset` on the CPU; device bytes in use on a GPU (onnxruntime's CUDA arena
-        keeps what a run grew it to, so that is the run's peak)."""
-        if self._cuda is None:
-            return _peak_rss()
-        from gpu_actor.cuda import device_memory_used
-        return device_memory_used(cuda_id(self.device))
+        """Peak bytes since `_peak_reset`."""
+        return _peak_rss()
 
     def _budget(self) -> int:
         if self.batch_memory_bytes:
             return self.batch_memory_bytes
-        if self._cuda is None:
-            free = psutil.virtual_memory().available
-        else:
-            from gpu_actor.cuda import device_memory_free
-            free = device_memory_free(cuda_id(self.device))
+        free = psutil.virtual_memory().available
         return int(free * AUTO_BUDGET_SHARE / max(self._workers, 1))
 
     def warm_up(self) -> None:

@@ -22,6 +22,7 @@ from config import Config
 from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
+from gpu_actor.device import make_device
 from gpu_actor.registry import Registry
 from gpu_actor.runner import check_device, make_session
 from gpu_actor.visual import VisualFrames
@@ -42,6 +43,7 @@ class InferenceWorker:
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
         self.config, self.run_spec, self.index = config, run, index
         self.device = run.devices[index]
+        device = make_device(self.device)   # NOTE: first: a GPU's waits are set to block before its context exists
         check_device(self.device)
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
@@ -58,10 +60,11 @@ class InferenceWorker:
         # NOTE: a finished load wakes the loop from the load thread, or from this one when the load
         # failed before its callback was attached: the lock keeps the socket to one thread at a time.
         self._wake_lock = threading.Lock()
-        self.registry = Registry(self.device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
+        self.registry = Registry(device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
                                  self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
-                                 batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device)
+                                 batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device,
+                                 max_batch=config.limits.max_batch)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)

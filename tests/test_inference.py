@@ -14,7 +14,7 @@ from config.assets import AssetError
 from frontend.server.onnx_io import read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
-from gpu_actor.runner import DeviceError, ModelRunner, check_device
+from gpu_actor.runner import DeviceError, ModelRunner, check_device, make_session
 
 
 def _inputs(batch, audio_shape, seed=0):
@@ -80,12 +80,12 @@ def test_a_gpu_worker_never_runs_on_the_cpu_silently(tmp_path):
     path = write_model(tmp_path / "m.onnx", kind="tiny")
     if "CUDAExecutionProvider" in ort.get_available_providers():
         check_device("cuda:0")
-        assert ModelRunner(path, "cuda:0").session.get_providers()[0] == "CUDAExecutionProvider"
+        assert make_session(path, "cuda:0", 0).get_providers()[0] == "CUDAExecutionProvider"
         return
     with pytest.raises(DeviceError, match="inference.devices: cpu"):
         check_device("cuda:0")
     with pytest.raises(DeviceError, match="CUDA provider did not load"):
-        ModelRunner(path, "cuda:0")
+        make_session(path, "cuda:0", 0)
 
 
 def test_broken_models_are_refused_with_the_reason(tmp_path):

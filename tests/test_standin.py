@@ -1,0 +1,80 @@
+"""The GPU path's batching, run on the CPU through the stand-in device (gpu_actor/device.py): the real
+server around it, every batch the worker would hand a GPU run at a prepared size, and the device stopping
+for STALL_S on the first call of each (session, batch size), as cuDNN does on a card.
+
+On the CPU provider a worker runs one frame per call, so no CPU test would show a GPU worker stopping
+for seconds at each new batch size while live speech falls due: this one does."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from gpu_actor.device import STAND_IN_ENV
+from gpu_actor.shapes import prepared_sizes
+from lipsync_client import AsyncSession
+from tests.helpers import base_config, make_avatar, run_server
+
+STALL_S = 1.0
+MAX_BATCH = 8
+FPS = 25.0
+
+
+async def _speak(endpoint: str, model: str, every: int, seconds: float, load_at: asyncio.Event) -> dict:
+    """One session speaking `seconds`, `every` frames' windows sent together every `every` frame periods
+    (the batches the worker sees then vary in size); sets `load_at` once it has spoken a second."""
+    window = np.random.default_rng(every).standard_normal((1, 32, 16, 16)).astype(np.float32)
+    async with AsyncSession(endpoint, model, timeout_s=120) as s:
+        async def drain() -> None:
+            while True:
+                await s.frames.get()
+        reader = asyncio.create_task(drain())
+        replies, t0, tick = [], time.monotonic(), 0
+        while time.monotonic() - t0 < seconds:
+            if tick % every == 0:
+                replies.append(s.push_audio(np.repeat(window, every, 0)))
+            if time.monotonic() - t0 > 1.0:
+                load_at.set()
+            tick += 1
+            await asyncio.sleep(max(t0 + tick / FPS - time.monotonic(), 0))
+        for reply in replies:
+            await reply
+        # NOTE: the frames of the last chunk are due up to the latency budget after it was sent
+        await asyncio.sleep(0.5)
+        stats = await s.close()
+        reader.cancel()
+        return stats
+
+
+def test_live_speech_on_a_stalling_gpu_is_on_time_and_a_new_avatars_load_stalls_no_one(tmp_path):
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b", "c")):   # one architecture, three avatars
+        make_avatar(root, model, n_frames=6, kind="tiny", seed=seed)
+    cfg = base_config(root, **{"limits.max_batch": MAX_BATCH, "sessions.max_cpu_load": 0})
+    with run_server(tmp_path, cfg, env={STAND_IN_ENV: str(STALL_S)}) as srv:
+        async def scenario() -> tuple[list[dict], float]:
+            load_at = asyncio.Event()
+            speakers = [asyncio.create_task(_speak(srv.endpoint, model, every, 5.0, load_at))
+                        for model, every in (("a", 1), ("a", 3), ("b", 2))]
+            await load_at.wait()
+            loop = asyncio.get_running_loop()
+            with srv.client(timeout_s=120) as c:   # a new avatar loads while three sessions speak
+                t0 = time.monotonic()
+                await loop.run_in_executor(None, c.load, "c")
+                load_s = time.monotonic() - t0
+            return await asyncio.gather(*speakers), load_s
+
+        stats, load_s = asyncio.run(scenario())
+        with srv.client() as c:
+            models = c.stats()["models"]
+    for s in stats:
+        assert s["frames_speech"] > 0 and s["missed"] == 0, s
+    sizes = prepared_sizes(MAX_BATCH)
+    # the stand-in really stalled: the architecture's first model prepared every size, one stall each
+    assert models["a"]["load_ms"] >= len(sizes) * STALL_S * 1000 or models["b"]["load_ms"] >= len(sizes) * STALL_S * 1000
+    # ... and a later avatar of it met no new shape: its load is its weights
+    assert load_s < STALL_S and models["c"]["load_ms"] < STALL_S * 1000, (load_s, models["c"])
+    weights = models["c"]["nbytes"]
+    assert 0 < weights <= 2 * (tmp_path / "models" / "c" / "model.onnx").stat().st_size
