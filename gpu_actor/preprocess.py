@@ -1,0 +1,133 @@
+"""The visual input built where the model runs: a small ONNX graph that turns the avatar's uint8 crops
+into `build_visual`'s float input (gpu_actor/visual.py), bit for bit, put in front of a model's visual
+input so that the model takes the crops themselves.
+
+    crops  [B, 328, 328, 3] uint8   BGR, the frame's 328x328 face crop (config/geometry.crop_328)
+      -> Slice [4:324, 4:324] -> Cast float -> Div 255 -> Transpose to CHW       R   [B, 3, 320, 320]
+      -> R * mask (0 in rows 5:310, columns 5:315, else 1)                      M   [B, 3, 320, 320]
+      -> Concat(R, M)                                                   visual  [B, 6, 320, 320] float32
+
+A crop is 0.32 MB where the float input is 2.46 MB: on a GPU the crops are what crosses the bus. The
+mask is built in the graph (a zero block padded with ones), not stored, and onnxruntime folds it into a
+constant when the session is made. Needs opset 11 or later (Pad and Slice take tensors, not attributes).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import onnx
+from onnx import TensorProto, helper
+
+from config.assets import AssetError, classify_io
+from config.geometry import CROP_SIZE, INNER
+from gpu_actor.visual import MASK_COLS, MASK_ROWS
+
+CROPS_INPUT = "crops"        # the composed model's visual input: uint8 [B, 328, 328, 3]
+VISUAL_OUTPUT = "visual"     # visual_graph's output, float32 [B, 6, 320, 320]
+MIN_OPSET = 11
+_PREFIX = "crops_to_visual/"  # every tensor and node the graph adds to a model is named under this
+_SIDE = INNER.stop - INNER.start
+
+
+def _nodes(crops: str, visual: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """The graph's nodes and constants, from tensor `crops` to tensor `visual`; every other name it makes
+    starts with _PREFIX."""
+    def name(n: str) -> str:
+        return _PREFIX + n
+
+    def const(n: str, values: list, dtype=TensorProto.INT64) -> onnx.TensorProto:
+        return helper.make_tensor(name(n), dtype, [len(values)], values)
+
+    # NOTE: build_visual divides each uint8 plane by float32 255 (np.divide, dtype float32): Cast then Div
+    # is the same IEEE division, so the values are equal to the bit, where a multiply by 1/255 is not
+    mask_shape = [1, 1, MASK_ROWS.stop - MASK_ROWS.start, MASK_COLS.stop - MASK_COLS.start]
+    mask_pads = [0, 0, MASK_ROWS.start, MASK_COLS.start, 0, 0, _SIDE - MASK_ROWS.stop, _SIDE - MASK_COLS.stop]
+    constants = [
+        const("starts", [INNER.start, INNER.start]), const("ends", [INNER.stop, INNER.stop]),
+        const("axes", [1, 2]),
+        helper.make_tensor(name("255"), TensorProto.FLOAT, [], [255.0]),
+        const("mask_shape", mask_shape), const("mask_pads", mask_pads),
+        helper.make_tensor(name("one"), TensorProto.FLOAT, [], [1.0]),
+    ]
+    zero = helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0])
+    nodes = [
+        helper.make_node("Slice", [crops, name("starts"), name("ends"), name("axes")], [name("inner")],
+                         name=name("slice")),
+        helper.make_node("Cast", [name("inner")], [name("inner_f")], to=TensorProto.FLOAT, name=name("cast")),
+        helper.make_node("Div", [name("inner_f"), name("255")], [name("scaled")], name=name("div")),
+        helper.make_node("Transpose", [name("scaled")], [name("reference")], perm=[0, 3, 1, 2],
+                         name=name("transpose")),
+        helper.make_node("ConstantOfShape", [name("mask_shape")], [name("hole")], value=zero, name=name("hole")),
+        helper.make_node("Pad", [name("hole"), name("mask_pads"), name("one")], [name("mask")], mode="constant",
+                         name=name("pad")),
+        helper.make_node("Mul", [name("reference"), name("mask")], [name("masked")], name=name("mul")),
+        helper.make_node("Concat", [name("reference"), name("masked")], [visual], axis=1, name=name("concat")),
+    ]
+    return nodes, constants
+
+
+def _crops_info(batch) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(CROPS_INPUT, TensorProto.UINT8, [batch, CROP_SIZE, CROP_SIZE, 3])
+
+
+def _check_opset(opset: int, source: str) -> None:
+    if opset < MIN_OPSET:
+        raise ValueError(f"{source}: the crops-to-visual graph needs ONNX opset >= {MIN_OPSET}, got {opset}: "
+                         f"export the model with opset_version={MIN_OPSET} or later, or build the visual input "
+                         "on the host (gpu_actor/visual.build_visual)")
+
+
+def visual_graph(opset: int = MIN_OPSET) -> onnx.ModelProto:
+    """A model of its own: input `crops` uint8 [batch, 328, 328, 3] (batch free) -> output `visual` float32
+    [batch, 6, 320, 320], equal to build_visual's to the bit (tests/test_preprocess.py)."""
+    _check_opset(opset, "visual_graph")
+    nodes, constants = _nodes(CROPS_INPUT, VISUAL_OUTPUT)
+    graph = helper.make_graph(
+        nodes, "crops_to_visual", [_crops_info("batch")],
+        [helper.make_tensor_value_info(VISUAL_OUTPUT, TensorProto.FLOAT, ["batch", 6, _SIDE, _SIDE])], constants)
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="lipsync-serve.preprocess")
+    model.ir_version = helper.find_min_ir_version_for(opsets)  # NOTE: the newest IR may be newer than onnxruntime
+    onnx.checker.check_model(model)
+    return model
+
+
+def _dims(value: onnx.ValueInfoProto) -> list:
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in value.type.tensor_type.shape.dim]
+
+
+def with_visual_input(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
+    """A copy of `model` whose visual input ([B,6,320,320] float32, found as config.assets.classify_io
+    finds it) is replaced by `crops` (uint8 [B,328,328,3], at the same position among the inputs, same
+    batch dimension) feeding visual_graph's nodes, whose output takes the visual input's name. The audio
+    input and the output are unchanged. Raises AssetError (naming `source`) for a model whose inputs do not classify or that already names
+    a tensor `crops`, and ValueError for opset < 11."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    io = classify_io([(v.name, _dims(v)) for v in graph.input if v.name not in initializers],
+                     [(v.name, _dims(v)) for v in graph.output], source)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    _check_opset(opset, source)
+    taken = initializers | {v.name for v in graph.input} | {o for n in graph.node for o in n.output}
+    clash = sorted(n for n in taken if n == CROPS_INPUT or n.startswith(_PREFIX))
+    if clash:
+        raise AssetError(f"{source}: already has a tensor named {clash[0]!r}, a name the crops-to-visual graph takes")
+
+    composed = copy.deepcopy(model)
+    graph = composed.graph
+    position, visual = next((i, v) for i, v in enumerate(graph.input) if v.name == io.visual)
+    batch = _dims(visual)[0] or "batch"
+    nodes, constants = _nodes(CROPS_INPUT, io.visual)
+    inputs = list(graph.input)
+    inputs[position] = _crops_info(batch)
+    del graph.input[:]
+    graph.input.extend(inputs)
+    # NOTE: the graph's nodes must stay in topological order: the new ones go first
+    model_nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + model_nodes)
+    graph.initializer.extend(constants)
+    onnx.checker.check_model(composed)
+    return composed
