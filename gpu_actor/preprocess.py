@@ -102,7 +102,8 @@ def with_visual_input(model: onnx.ModelProto, source: str = "model") -> onnx.Mod
     """A copy of `model` whose visual input ([B,6,320,320] float32, found as config.assets.classify_io
     finds it) is replaced by `crops` (uint8 [B,328,328,3], at the same position among the inputs, same
     batch dimension) feeding visual_graph's nodes, whose output takes the visual input's name. The audio
-    input and the output are unchanged. Raises AssetError (naming `source`) for a model whose inputs do not classify or that already names
+    input and the output are unchanged. For fp16, convert the model first (gpu_actor/precision.py).
+    Raises AssetError (naming `source`) for a model whose inputs do not classify or that already names
     a tensor `crops`, and ValueError for opset < 11."""
     graph = model.graph
     initializers = {t.name for t in graph.initializer}

@@ -1,0 +1,94 @@
+"""`inference.precision`: the arithmetic a GPU worker runs a model in.
+
+    fp32   the model as its file has it (the default; the only one the CPU provider runs)
+    fp16   the model's float tensors and weights in float16, its inputs and output still float32
+           (a Cast after each input and before the output), so the buffers and the shm layout do not
+           change with the precision
+
+`to_fp16` converts with onnxconverter-common's `float16.convert_float_to_float16(keep_io_types=True)`
+and gives a model it cannot convert back unchanged, with a warning to log; `check_precision` refuses a
+precision the device cannot run, with the key to change. Ops onnxconverter-common keeps in float32
+(its default block list: Resize among them) get Casts around them.
+
+With the crops in front of the model (gpu_actor/preprocess.py), convert first:
+`with_visual_input(to_fp16(model)[0])`. The crops graph then stays float32 and equal to build_visual's,
+and the converted model's own input Cast takes its output to float16; converted the other way round, its
+Cast to float32 would feed a float16 tensor, which to_fp16 refuses.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Optional
+
+import onnx
+
+PRECISIONS = ("fp32", "fp16")
+CPU_FP16_ERROR = ("inference.precision: fp16 needs a GPU worker (inference.devices); the CPU provider runs fp32: "
+                  "set inference.precision: fp32")
+
+
+def check_precision(precision: str, device: str) -> None:
+    """Raise ValueError, naming the key to change, for a precision `device` ("cpu" or "cuda:<id>") does
+    not run. fp16 on the CPU provider is refused though it loads: onnxruntime puts Casts back to float32
+    around every op it has no float16 CPU kernel for (all of unet_328's), so it computes in float32 with
+    the weights rounded, about 10% slower per frame than fp32 (measured on a 2-core x86 host)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"inference.precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp16" and device == "cpu":
+        raise ValueError(CPU_FP16_ERROR)
+
+
+def _named(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose nodes all have unique names.
+
+    NOTE: onnxconverter-common names the Casts it puts around a blocked op after the op's node name:
+    two unnamed Resize nodes (torch.onnx.export leaves many nodes unnamed) give two tensors called
+    `_input_cast_0`, and the checker refuses the result (the same bug was fixed in onnxruntime's copy
+    of the converter, microsoft/onnxruntime#27469)."""
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    taken = {n.name for n in named.graph.node if n.name}
+    counter = 0
+    for node in named.graph.node:
+        if node.name:
+            continue
+        while f"{node.op_type}_{counter}" in taken:
+            counter += 1
+        node.name = f"{node.op_type}_{counter}"
+        taken.add(node.name)
+    return named
+
+
+def _culprit(err: Exception, model: onnx.ModelProto) -> str:
+    """The op a conversion error is about, where its message names a node of `model`, and the error."""
+    text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+    names = {n.name: n.op_type for n in model.graph.node if n.name}
+    for word in re.findall(r"[\w./:-]+", str(err)):
+        for name in (word, re.sub(r"_(input|output)_cast_?\d+$", "", word)):
+            if name in names:
+                return f"op {names[name]} (node {name}): {text}"
+    return text
+
+
+def to_fp16(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[str]]:
+    """(`model` in float16 with float32 inputs and outputs, None), or, where it cannot be converted (the
+    converter raises, or onnx.checker refuses its result, types included), (`model` unchanged, a warning
+    naming the op or the error). Values below float16's range (|x| < 1e-7) are clamped to +-1e-7, as the converter does,
+    without its warning per tensor."""
+    try:
+        from onnxconverter_common import float16
+    except ImportError as err:
+        return model, f"inference.precision: fp16 needs onnxconverter-common ({err}); running fp32"
+    named = _named(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # NOTE: one "will be truncated" warning per small weight tensor
+            converted = float16.convert_float_to_float16(named, keep_io_types=True)
+        # NOTE: full_check adds type inference: an op whose schema has no float16 (Celu) fails here, by
+        # name, rather than when onnxruntime makes the session
+        onnx.checker.check_model(converted, full_check=True)
+    except Exception as err:  # the converter and the checker raise many types, for one reason: not this model
+        return model, f"inference.precision: fp16: the model cannot be converted, running fp32: {_culprit(err, named)}"
+    return converted, None
