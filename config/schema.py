@@ -101,6 +101,7 @@ class InferenceConfig(_Section):
     intra_op_threads: NonNegInt = 0
     tensorrt: bool = False
     spin_threads: bool = False
+    precision: Literal["fp32", "fp16"] = "fp32"
 
 
 class CompositingConfig(_Section):

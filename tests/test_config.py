@@ -44,6 +44,7 @@ def test_default_yaml_is_exactly_the_schema_defaults_and_documents_every_key():
     ("inference:\n  workers_per_device: two\n",
      "inference.workers_per_device: expected an integer >= 1, got 'two'"),
     ("inference:\n  eviction: lfx\n", "inference.eviction: expected one of 'lfu', 'lru', got 'lfx'"),
+    ("inference:\n  precision: fp8\n", "inference.precision: expected one of 'fp16', 'fp32', got 'fp8'"),
     ("limits:\n  max_batch: 0\n", "limits.max_batch: expected an integer >= 1 and <= 256, got 0"),
     ("limits:\n  max_bach: 4\n", "limits.max_bach: unknown key"),
     ("frontend:\n  bind: [5555]\n", "frontend.bind.0: expected a string matching"),
