@@ -92,6 +92,33 @@ def _check_references(graph, path: Path) -> None:
             raise AssetError(f"{path}: graph output {value.name!r} is produced by no node")
 
 
+def check_convolutions(architecture: Architecture, path: Path) -> None:
+    """A Conv's weight must take the channels that reach it: the error names the tensor and both shapes
+    (onnxruntime would say only "Input channels C is not equal to kernel channels * group", at run).
+    Once per architecture (its key holds every weight's shape); on the graph with weights as inputs,
+    so shape inference reads no tensor data (0.27 s less on unet_328)."""
+    import onnx
+    model = onnx.load_from_string(architecture.graph)
+    weights = {name: list(shape) for name, shape in zip(architecture.weights, architecture.shapes)}
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:   # onnxruntime's own checks still apply at session creation and warm-up
+        return
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in (*inferred.input, *inferred.value_info)}
+    for node in model.graph.node:
+        if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in weights:
+            continue
+        x, w = shapes.get(node.input[0]), weights[node.input[1]]
+        group = next((a.i for a in node.attribute if a.name == "group"), 1)
+        if x and len(x) == len(w) and x[1] and len(w) > 1 and w[1] * group != x[1]:
+            raise AssetError(f"{path}: weight {node.input[1]} is {w}, but the Conv it feeds gets {x[1]} channels "
+                             f"(group {group}): it needs [{w[0]}, {x[1] // group}, {', '.join(map(str, w[2:]))}]")
+        if len(node.input) > 2 and node.input[2] in weights and weights[node.input[2]] != [w[0]]:
+            raise AssetError(f"{path}: bias {node.input[2]} is {weights[node.input[2]]}, but its Conv has {w[0]} "
+                             f"output channels: it needs [{w[0]}]")
+
+
 def split_model(path: Path) -> Split:
     """Read an ONNX file into its architecture and its weights; AssetError says what is wrong with it."""
     import onnx

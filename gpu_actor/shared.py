@@ -26,7 +26,7 @@ import numpy as np
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
-from gpu_actor.graphs import Architecture, split_model
+from gpu_actor.graphs import Architecture, check_convolutions, split_model
 from gpu_actor.runner import dims, require_provider, session_options
 from gpu_actor.shapes import BatchShapes
 
@@ -76,7 +76,11 @@ class Prepared:
             device.bind(binding, self.io.visual, visual)
             device.bind(binding, self.io.audio, audio)
             device.bind(binding, self.io.output, out, output=True)
-            device.run(session, binding, size)
+            try:
+                device.run(session, binding, size)
+            except Exception as err:   # onnxruntime's own errors: a graph it loads but cannot run
+                raise AssetError(f"the model's graph fails to run at batch {size}: "
+                                 f"{str(err).splitlines()[0][:300] if str(err) else type(err).__name__}") from None
             del visual, audio, out, binding
 
 
@@ -139,6 +143,7 @@ class Architectures:
         with self._lock:
             prepared = self.prepared.get(key)
         if prepared is None:
+            check_convolutions(split.architecture, path)
             prepared = Prepared(split.architecture, self.device, self.max_batch, *self._options)
             weights = self.device.resident(split.weights)
             prepared.prepare(weights)

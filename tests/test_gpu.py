@@ -28,26 +28,43 @@ def _gpu_missing() -> str | None:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_missing() is not None, reason=str(_gpu_missing()))]
 
 
-def test_cuda_runner_matches_the_cpu_provider(tmp_path):
+def test_the_shared_session_on_cuda_matches_the_cpu_provider_at_every_size(tmp_path):
+    """One prepared session per architecture and batch size, the weights resident and bound per call:
+    the CPU provider's results at sizes run whole, padded (3, 5) and split (11)."""
+    from gpu_actor.device import CudaDevice
     from gpu_actor.runner import ModelRunner
-    path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="ave", seed=1)
+    from gpu_actor.shared import Architectures
+    paths = [write_model(tmp_path / f"unet{k}.onnx", kind="unet328", audio="ave", seed=k) for k in (1, 2)]
+    archs = Architectures(CudaDevice("cuda:0"), 8, 0, False, False)
+    runners = [archs.load(p) for p in paths]
+    assert len(archs.prepared) == 1
+    assert all(s.get_providers()[0] == "CUDAExecutionProvider" for s in runners[0].prepared.sessions.values())
     rng = np.random.default_rng(0)
-    visual = rng.random((4, 6, 320, 320), dtype=np.float32)
-    audio = rng.standard_normal((4, 32, 16, 16)).astype(np.float32)
-    cpu_out, gpu_out = (np.empty((4, 3, 320, 320), np.float32) for _ in range(2))
-    ModelRunner(path, "cpu").run(visual, audio, cpu_out)
-    gpu = ModelRunner(path, "cuda:0")
-    assert gpu.session.get_providers()[0] == "CUDAExecutionProvider"
-    gpu.run(visual, audio, gpu_out)
-    np.testing.assert_allclose(gpu_out, cpu_out, atol=2e-3)
+    for n in (1, 3, 5, 8, 11):
+        visual = rng.random((n, 6, 320, 320), dtype=np.float32)
+        audio = rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
+        for path, runner in zip(paths, runners):
+            cpu_out, gpu_out = (np.empty((n, 3, 320, 320), np.float32) for _ in range(2))
+            ModelRunner(path, "cpu").run(visual, audio, cpu_out)
+            runner.run(visual, audio, gpu_out)
+            np.testing.assert_allclose(gpu_out, cpu_out, atol=2e-3)
 
 
-def test_registry_measures_device_memory(tmp_path):
+def test_a_model_on_the_card_holds_its_weights(tmp_path):
+    """The first model of an architecture prepares it; each later one costs its weights on the device."""
+    from gpu_actor.cuda import device_memory_used
+    from gpu_actor.graphs import split_model
     from gpu_actor.registry import Registry
-    path = write_model(tmp_path / "unet.onnx", kind="unet328", seed=2)
-    reg = Registry("cuda:0", 4, 0, "lru", 0, 0, False, {"m": path}.get, lambda *a: None, lambda: None)
-    assert reg.start_load("m")
-    reg.loading["m"].result(300)
-    (result,) = reg.poll_loads()
-    assert result.error is None and result.nbytes >= path.stat().st_size
+    paths = {f"m{k}": write_model(tmp_path / f"m{k}.onnx", kind="unet328", seed=k) for k in range(4)}
+    reg = Registry("cuda:0", 8, 0, "lru", 0, 0, False, paths.get, lambda *a: None, lambda: None, max_batch=8)
+    weights = split_model(paths["m0"]).architecture.nbytes
+    used = []
+    for model in paths:
+        assert reg.start_load(model)
+        reg.loading[model].result(600)
+        (result,) = reg.poll_loads()
+        assert result.error is None and result.nbytes == weights
+        used.append(device_memory_used(0))
+    per_model = (used[-1] - used[1]) / 2
+    assert per_model <= 1.5 * weights, f"{per_model / 2**20:.0f} MiB a model for {weights / 2**20:.0f} MiB of weights"
     reg.close()

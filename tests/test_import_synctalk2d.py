@@ -22,6 +22,7 @@ import pytest
 
 from config import audio as A
 from lipsync_client import Session
+from gpu_actor.graphs import split_model
 from gpu_actor.model_builder import StateDictWeights, write_model
 from supervisor.importer import ImportFailed
 from supervisor.importer.checkpoint import CheckpointError, read_checkpoint, write_state_dict
@@ -184,6 +185,9 @@ def test_the_imported_models_compute_what_synctalk2ds_networks_compute(tmp_path,
     got = _run(out / "model.onnx", input=visual, audio=audio)
     assert got.shape == (2, 3, 320, 320) and want.std() > 0.1   # not saturated: the comparison means something
     assert np.abs(got - want).max() <= 1e-4
+    # one architecture with the demo's unet_328: a GPU worker serves both from one prepared session
+    demo = write_model(tmp_path / "demo-unet328.onnx", kind="unet328", audio="ave", seed=9)
+    assert split_model(out / "model.onnx").architecture.key == split_model(demo).architecture.key
 
     mel = rng.standard_normal((5, 1, 80, 16))
     want = Net({f"audio_encoder.{k}": v for k, v in encoder_state.items()}).audio_encoder(mel)

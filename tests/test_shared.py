@@ -1,0 +1,166 @@
+"""The GPU path's pieces on the CPU: the batch-size table, an architecture's key, one prepared session per
+architecture with each model's weights bound per call (run on the stand-in device), and what a bad weight
+file or a replaced one does."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from config.assets import AssetError
+from gpu_actor.device import StandInDevice
+from gpu_actor.graphs import split_model
+from gpu_actor.model_builder import build_model, write_model
+from gpu_actor.registry import Registry
+from gpu_actor.runner import ModelRunner
+from gpu_actor.shapes import BatchShapes, Chunk, prepared_sizes
+from gpu_actor.shared import Architectures
+from gpu_actor.visual import VisualFrames, build_visual
+
+
+# -- the batch-size table ------------------------------------------------------------------------------
+
+def test_prepared_sizes_are_powers_of_two_up_to_max_batch_one_frame_on_the_cpu_or_a_fixed_batch():
+    assert prepared_sizes(8) == (1, 2, 4, 8)
+    assert prepared_sizes(24) == (1, 2, 4, 8, 16, 24)
+    assert prepared_sizes(1) == (1,)
+    assert prepared_sizes(64, batched=False) == (1,)
+    assert prepared_sizes(64, fixed=2) == (2,)
+
+
+def test_a_batch_of_any_size_runs_at_prepared_sizes_padded_at_most_2x():
+    for max_batch in (1, 5, 8, 24, 32, 256):
+        shapes = BatchShapes(prepared_sizes(max_batch))
+        for n in range(1, 3 * max_batch + 2):
+            chunks = shapes.plan(n)
+            assert chunks[0].start == 0 and chunks[-1].end == n
+            assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
+            assert all(c.size in shapes.sizes and c.end - c.start <= c.size < 2 * (c.end - c.start) for c in chunks)
+    assert BatchShapes((1, 2, 4, 8)).plan(11) == [Chunk(0, 8, 8), Chunk(8, 11, 4)]
+    assert BatchShapes((2,)).plan(3) == [Chunk(0, 2, 2), Chunk(2, 3, 2)]
+    with pytest.raises(ValueError):
+        BatchShapes((1, 2)).pad_to(3)
+
+
+# -- an architecture ---------------------------------------------------------------------------------------
+
+def test_models_built_alike_share_an_architecture_whatever_their_weights_and_tensor_names(tmp_path):
+    one = split_model(write_model(tmp_path / "1.onnx", kind="unet328", seed=1))
+    two = split_model(write_model(tmp_path / "2.onnx", kind="unet328", seed=2))
+    assert one.architecture.key == two.architecture.key
+    assert not np.array_equal(one.weights[0], two.weights[0])
+    assert one.architecture.nbytes == sum(w.nbytes for w in one.weights) > 40e6
+    renamed = build_model("tiny", seed=3)
+    names = {t.name: f"renamed_{i}" for i, t in enumerate(renamed.graph.initializer)}
+    for t in renamed.graph.initializer:
+        t.name = names[t.name]
+    for node in renamed.graph.node:
+        node.input[:] = [names.get(n, n) for n in node.input]
+    onnx.save(renamed, tmp_path / "renamed.onnx")
+    tiny = split_model(write_model(tmp_path / "tiny.onnx", kind="tiny", seed=4)).architecture
+    assert split_model(tmp_path / "renamed.onnx").architecture.key == tiny.key != one.architecture.key
+    other_audio = split_model(write_model(tmp_path / "hubert.onnx", kind="tiny", audio="hubert")).architecture
+    assert other_audio.key != tiny.key
+
+
+def _inputs(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return (rng.random((n, 6, 320, 320), dtype=np.float32),
+            rng.standard_normal((n, 32, 16, 16)).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["tiny", "unet328"])
+def test_a_shared_session_with_the_weights_bound_per_call_computes_what_the_models_own_session_does(tmp_path, kind):
+    paths = [write_model(tmp_path / f"{k}.onnx", kind=kind, seed=k) for k in range(2)]
+    device = StandInDevice(0.0)
+    archs = Architectures(device, 4, 0, False, False)
+    runners = [archs.load(p) for p in paths]
+    assert len(archs.prepared) == 1 and runners[0].prepared is runners[1].prepared
+    for n in (1, 3, 6) if kind == "tiny" else (1, 3):   # 3: padded to 4; 6: a full 4 and 2
+        visual, audio = _inputs(n, seed=n)
+        for path, runner in zip(paths, runners):
+            got, want = np.empty((n, 3, 320, 320), np.float32), np.empty((n, 3, 320, 320), np.float32)
+            runner.run(visual, audio, got)
+            ModelRunner(path).run(visual, audio, want)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_the_visual_input_built_per_call_and_padding_rows_left_by_a_larger_call_change_nothing(tmp_path):
+    path = write_model(tmp_path / "m.onnx", kind="tiny", seed=5)
+    runner = Architectures(StandInDevice(0.0), 8, 0, False, False).load(path)
+    rng = np.random.default_rng(1)
+    crops = [rng.integers(0, 256, (328, 328, 3), dtype=np.uint8) for _ in range(5)]
+    visual = np.empty((5, 6, 320, 320), np.float32)
+    build_visual(crops, visual)
+    _, audio = _inputs(5)
+    runner.run(*_inputs(8, seed=9), np.empty((8, 3, 320, 320), np.float32))   # leaves rows 5..7 full
+    got, want = np.empty((5, 3, 320, 320), np.float32), np.empty((5, 3, 320, 320), np.float32)
+    runner.run(VisualFrames(crops, np.empty((8, 6, 320, 320), np.float32)), audio, got)
+    ModelRunner(path).run(visual, audio, want)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_first_model_prepares_every_size_once_later_models_of_its_architecture_none(tmp_path):
+    stall = 0.2
+    device = StandInDevice(stall)
+    archs = Architectures(device, 8, 0, False, False)
+    t0 = time.perf_counter()
+    first = archs.load(write_model(tmp_path / "a.onnx", kind="tiny", seed=1))
+    assert device.stalls == 4 and time.perf_counter() - t0 >= 4 * stall   # sizes 1, 2, 4, 8
+    second = archs.load(write_model(tmp_path / "b.onnx", kind="tiny", seed=2))
+    for n in range(1, 12):
+        second.run(*_inputs(n), np.empty((n, 3, 320, 320), np.float32))
+    assert device.stalls == 4, "a call met a size that was not prepared"
+    archs.load(write_model(tmp_path / "other.onnx", kind="tiny", audio="hubert"))
+    assert device.stalls == 8 and len(archs.prepared) == 2   # a graph like no other: its own, prepared alike
+    del first, second
+
+
+def test_a_weight_that_does_not_fit_its_graph_fails_that_load_naming_the_tensor_and_both_shapes(tmp_path):
+    model = build_model("tiny")
+    weight = model.graph.initializer[0]
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight)[:, :5].copy(), weight.name))
+    onnx.save(model, tmp_path / "bad.onnx")
+    events = []
+    paths = {"bad": tmp_path / "bad.onnx", "good": write_model(tmp_path / "good.onnx", kind="tiny")}
+    reg = Registry(StandInDevice(0.0), 4, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]),
+                   lambda: None, max_batch=4)
+    for model_id in ("bad", "good"):
+        reg.start_load(model_id)
+        reg.loading[model_id].result(60)
+    results = {r.model: r for r in reg.poll_loads()}
+    assert results["bad"].runner is None and results["bad"].code == "bad_request"
+    assert "tiny.weight is [3, 5, 1, 1]" in results["bad"].error and "[3, 6, 1, 1]" in results["bad"].error
+    assert "good" in reg.loaded and ("bad", "failed") in events
+    reg.close()
+
+
+def test_a_model_replaced_on_disk_and_unloaded_serves_its_new_weights(tmp_path):
+    path = tmp_path / "m.onnx"
+    write_model(path, kind="tiny", seed=1)
+    reg = Registry(StandInDevice(0.0), 4, 0, "lru", 0, 1, False, {"m": path}.get, lambda *e: None,
+                   lambda: None, max_batch=4)
+
+    def run() -> np.ndarray:
+        reg.start_load("m")
+        if "m" in reg.loading:
+            reg.loading["m"].result(60)
+            reg.poll_loads()
+        out = np.empty((2, 3, 320, 320), np.float32)
+        reg.loaded["m"].runner.run(*_inputs(2), out)
+        return out
+
+    old = run()
+    write_model(path, kind="tiny", seed=2)
+    assert reg.unload("m")
+    new = run()
+    want = np.empty((2, 3, 320, 320), np.float32)
+    ModelRunner(path).run(*_inputs(2), want)
+    assert not np.allclose(old, new)
+    np.testing.assert_allclose(new, want, rtol=0, atol=1e-6)
+    assert reg.stat("m").nbytes == reg.loaded["m"].runner.nbytes == split_model(path).architecture.nbytes
+    reg.close()
