@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer|gpu] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -20,10 +20,17 @@ def _counts(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
 
 
+def _device(text: str) -> str:
+    if text in ("auto", "cpu") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu or cuda:N (N: the GPU's index)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "transport", "cpu", "h264",
-                                                         "startup", "avatars", "first_words", "importer"], default="all")
+                                                         "startup", "avatars", "first_words", "importer", "gpu"],
+                        default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
     parser.add_argument("--models", type=int, default=10_000, help="model directories for the catalog and startup benches")
@@ -32,9 +39,10 @@ def main() -> int:
     parser.add_argument("--servers", type=int, default=10, help="fresh servers per case of the first_words bench")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--format", choices=["jpeg", "h264"], default="jpeg", help="frames of the sessions bench")
-    parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions bench")
-    parser.add_argument("--levels", type=_counts, default=(10, 20, 30, 40),
-                        help="sessions bench: speaking levels (sessions, comma-separated; '' for none)")
+    parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions and gpu benches")
+    parser.add_argument("--levels", type=_counts, default=None,
+                        help="sessions bench: speaking levels (sessions, comma-separated; '' for none; default "
+                             "10,20,30,40); gpu bench: its live levels (default 16,48,96,150,200 on a GPU, 1,2 on the CPU)")
     parser.add_argument("--silent", type=_counts, default=(100, 200, 300),
                         help="sessions bench: silent levels (sessions, comma-separated; '' for none)")
     parser.add_argument("--pcm-levels", type=_counts, default=(10, 20),
@@ -51,7 +59,23 @@ def main() -> int:
                              "per function per frame sent (needs py-spy installed beside the bench's python)")
     parser.add_argument("--profile-native", action="store_true",
                         help="--profile with C frames too (py-spy then pauses the frontend for each sample)")
+    gpu = parser.add_argument_group("gpu bench (each default: large on a GPU, small on the CPU provider)")
+    gpu.add_argument("--device", type=_device, default="auto",
+                     help="auto (cuda:0 where onnxruntime has CUDA and cupy sees a GPU, else cpu), cpu or cuda:N")
+    gpu.add_argument("--model", choices=["unet328", "tiny"], default="unet328",
+                     help="the real-size unet_328 (random weights) or a near-zero-cost model")
+    gpu.add_argument("--max-batch", type=int, help="limits.max_batch (default 32 on a GPU, 4 on the CPU)")
+    gpu.add_argument("--speaking", type=int, help="sessions speaking while a model loads (default 20 / 2)")
+    gpu.add_argument("--avatars", type=int, help="distinct models timed from session_open to the first speech frame "
+                                                 "(default 4 / 2)")
+    gpu.add_argument("--max-models", type=int, help="distinct models loaded at most to find how many stay resident "
+                                                    "(default 1000 / 8)")
+    gpu.add_argument("--residency-s", type=float, help="seconds at most for those loads (default 240 / 60)")
+    gpu.add_argument("--stand-in", type=float, metavar="S",
+                     help="CPU workers batch as on a GPU and stall S seconds on each shape's first call "
+                          "(LIPSYNC_STAND_IN_STALL_S), so a CPU host shows the GPU path's first-call figures")
     args = parser.parse_args()
+    levels = args.levels if args.levels is not None else (10, 20, 30, 40)
     from shm.child import tune_malloc
     from supervisor.demo import build_demo
     tune_malloc()  # as every server process does, so the bare loops compare fairly
@@ -76,18 +100,18 @@ def main() -> int:
         print(f"live sessions (near-zero-cost model, 1280x720 {'JPEG q75' if args.format == 'jpeg' else 'H.264'}, "
               "25 fps):")
         if args.admission:
-            print(f"  admission on (sessions.max_cpu_load 0.75): sessions asked for at once, {args.levels}")
-            results["sessions"] = sessions.run_admission(models_dir, args.seconds, args.levels, fmt=args.format,
+            print(f"  admission on (sessions.max_cpu_load 0.75): sessions asked for at once, {levels}")
+            results["sessions"] = sessions.run_admission(models_dir, args.seconds, levels, fmt=args.format,
                                                          budget_ms=args.budget_ms, shed=not args.no_shed)
         else:
-            results["sessions"] = sessions.run(models_dir, args.seconds, args.levels, args.silent, args.pcm_levels,
+            results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, args.pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
                                                shed=not args.no_shed)
     if args.what in ("all", "transport"):
         from bench import transport
-        levels = [(n, round(n * transport.SPEAKING_SHARE)) for n in args.levels] + [(n, 0) for n in args.silent]
-        results["transport"] = transport.run(args.seconds, levels)
+        mix = [(n, round(n * transport.SPEAKING_SHARE)) for n in levels] + [(n, 0) for n in args.silent]
+        results["transport"] = transport.run(args.seconds, mix)
     if args.what in ("all", "h264"):
         from bench import h264
         results["h264"] = h264.run(models_dir, "demo")
@@ -107,6 +131,11 @@ def main() -> int:
     if args.what == "importer":
         from bench import importer
         results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
+    if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
+        from bench import gpu
+        results["gpu"] = gpu.run(models_dir, gpu.options(
+            args.device, args.model, args.max_batch, args.levels, args.seconds, args.speaking, args.max_models,
+            args.avatars, args.residency_s, args.stand_in, args.budget_ms))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)
