@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.live.capacity import RAMP, Capacity, Load, ProcessCpu, host_cores, speaking_at_once
+from frontend.live.capacity import RAMP, SAMPLE_S, Capacity, Load, ProcessCpu, host_cores, speaking_at_once
 
 
 class Host:
@@ -176,3 +176,124 @@ def test_a_host_full_when_sessions_speak_together_refuses_before_the_average_say
     assert bursts < average
     busy = cap.refuse(0.0, bursts)
     assert "sessions.burst_share" in busy.message and "sessions.max_burst_load" in busy.message
+
+
+class ChurningHost:
+    """A host on the test's clock, in STEP_S steps, sampled every SAMPLE_S as the frontend samples it: a
+    base load, a steady cost per session held, and for each open a moment of CPU (its model warmed up,
+    its first idle frames rendered: `warm_up` core-seconds over WARM_UP_S) before it is held."""
+
+    STEP_S, WARM_UP_S = 0.05, 0.1
+
+    def __init__(self, capacity: Capacity, base: dict, held: dict, warm_up: dict):
+        self.capacity, self.base, self.held, self.warm_up = capacity, base, held, warm_up
+        self.cpu = {name: 0.0 for name in base}
+        self.ticks, self.sessions, self.opened = 0, 0, 0
+
+    @property
+    def now(self) -> float:
+        return self.ticks * self.STEP_S
+
+    def run(self, seconds: float, warming: int = 0) -> None:
+        for _ in range(round(seconds / self.STEP_S)):
+            self.ticks += 1
+            for name in self.cpu:
+                self.cpu[name] += self.STEP_S * (self.base[name] + self.held[name] * self.sessions
+                                                 + warming * self.warm_up[name] / self.WARM_UP_S)
+            if self.ticks % round(SAMPLE_S / self.STEP_S) == 0:
+                self.capacity.sample(self.now, self.cpu, self.sessions, speech_frames=0, opened=self.opened)
+
+    def open(self):
+        """A session_open: refused (the Busy), or warmed up and held (None)."""
+        busy = self.capacity.refuse(self.now, self.sessions)
+        if busy is None:
+            self.opened += 1
+            self.run(self.WARM_UP_S, warming=1)
+            self.sessions += 1
+        return busy
+
+    def churn(self, opens: int) -> None:
+        """Sessions opened and closed in a row, each held a moment."""
+        for _ in range(opens):
+            assert self.open() is None
+            self.run(0.1)
+            self.sessions -= 1
+            self.run(0.05)
+
+    def fill(self, limit: int, patience_s: float = 30.0) -> tuple[int, list]:
+        """Open sessions one after another up to `limit` open, waiting as a refusal says (for `patience_s`
+        in all): the sessions open, and the refusals."""
+        refusals, deadline = [], self.now + patience_s
+        while self.sessions < limit and self.now < deadline:
+            busy = self.open()
+            if busy is not None:
+                refusals.append(busy)
+                self.run(busy.retry_after_s)
+        return self.sessions, refusals
+
+
+IDLE = {"frontend": 0.004, "cpu0": 0.002, "cpu1": 0.002, "gpu0": 0.0}      # cores a held idle session costs
+WARM_UP = {"frontend": 0.01, "cpu0": 0.02, "cpu1": 0.02, "gpu0": 0.03}     # core-seconds an open costs
+BASE = {"frontend": 0.02, "cpu0": 0.0, "cpu1": 0.0, "gpu0": 0.0}
+
+
+def churned(held: dict, quiet_s: float) -> ChurningHost:
+    """A host with one session open (for `quiet_s` alone), then 200 sessions opened and closed in a row."""
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9,
+                   single_threaded=lambda name: not name.startswith("gpu"))
+    host = ChurningHost(cap, BASE, held, WARM_UP)
+    assert host.open() is None
+    host.run(quiet_s)
+    host.churn(200)
+    return host
+
+
+def test_opens_and_closes_in_a_row_do_not_count_as_the_cost_of_a_session_held():
+    """An open costs CPU for a moment (warm-up renders), a held idle session little: after 200 opens and
+    closes, 25 idle sessions (0.22 cores in all with the base load) are let in one after another on 2
+    cores at max_load 0.75, each while the measured load plus one session's steady cost stays under it."""
+    host = churned(IDLE, quiet_s=10.0)
+    assert host.capacity.load.total > 0.3, "the churn's opens are in the measured load"
+    opened, refusals = host.fill(25)
+    assert (opened, refusals) == (25, [])
+    assert sum(BASE.values()) + 25 * sum(IDLE.values()) < 1.5
+
+
+def test_churn_on_a_host_never_measured_without_opens_is_let_in_at_the_ramps_pace_not_refused_as_full():
+    """The session held opened as the churn began: every window so far had opens in it, so what a
+    session held costs is not known apart from them. Not `busy` naming the cores (they are far from
+    full): let in at the ramp's pace, as on a fresh host, and all 25 open."""
+    host = churned(IDLE, quiet_s=0.0)
+    opened, refusals = host.fill(25)
+    assert opened == 25
+    assert all("measured" in busy.message for busy in refusals), refusals
+
+
+def test_after_churn_a_host_whose_sessions_really_cost_is_still_refused_at_its_cores():
+    """The same churn, with held sessions costing 0.08 cores each: (0.02 + 0.08 n) <= 1.5 holds 18, and
+    the 19th is refused naming the cores, however long it waits."""
+    held = {"frontend": 0.02, "cpu0": 0.03, "cpu1": 0.03, "gpu0": 0.0}
+    host = churned(held, quiet_s=10.0)
+    opened, refusals = host.fill(25)
+    assert opened == 18
+    assert refusals and "cores" in refusals[-1].message and "sessions.max_cpu_load" in refusals[-1].message
+
+
+def test_opens_are_fitted_apart_from_sessions_and_speech():
+    """Sessions opened and closed among 10 held ones, speaking now more, now less: the fit tells a
+    session held, a speech frame and an open apart, so churn does not raise what speaking sessions are
+    admitted by (per_session) either."""
+    cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9, speaking_share=0.5, fps=25)
+    per_session, per_frame, per_open = 0.002, 0.004, 0.05
+    now, cpu, speech, opened = 0.0, {"frontend": 0.0, "cpu0": 0.0}, 0.0, 0
+    for duty, opens in zip((0.1, 0.4, 0.2, 0.3) * 4, (0, 1, 0, 2, 1, 0, 2, 1) * 2):   # opens each 0.5 s
+        for _ in range(4):   # 2 s at each
+            now += 0.5
+            frames = 10 * 25 * duty * 0.5
+            speech, opened = speech + frames, opened + opens
+            cpu["frontend"] += 0.5 * 10 * per_session + 0.2 * frames * per_frame + opens * per_open
+            cpu["cpu0"] += 0.8 * frames * per_frame
+            cap.sample(now, cpu, 10, int(speech), opened)
+    assert sum(cap.per_session.values()) == pytest.approx(per_session, rel=0.1)
+    assert sum(cap.per_frame.values()) == pytest.approx(per_frame, rel=0.05)
+    assert sum(cap.per_open.values()) == pytest.approx(per_open, rel=0.1)

@@ -3,21 +3,31 @@ would make every session's frames late.
 
 What is measured: the CPU time of the server's own processes on this host (the frontend, the compositing
 processes, local inference workers), sampled every SAMPLE_S and taken over the last `window_s`, with the
-number of live sessions open over that window. From them, what one session costs: of the host's cores,
-and of each process's one core. A session_open is refused while, with one more session at that cost:
+number of live sessions open over that window and the sessions opened in it. From them, what one session
+held costs: of the host's cores, and of each process's one core. A session_open is refused while, with
+one more session at that cost:
 
 - the processes together would use more than `max_load` of the cores this host gives them (the
   process's CPU affinity, and the cgroup's CPU quota in a container), or
 - one single-threaded process (the frontend's event loop, a compositor) would use more than
   `max_process_load` of its core: past that it falls behind, whatever the other cores do.
 
-Until the window has seen a session (a fresh server, or one whose sessions all closed and whose cost is
-not known yet), at most RAMP sessions per core per window are let in, so that a burst of opens on an idle
-host is measured before it is all admitted. Sessions opened since the window's start count at the last known cost.
+Opening a session costs CPU for a moment that holding it does not (its model loaded and warmed up, its
+first idle frames rendered): sessions opened and closed in a row would make a window's CPU over the few
+sessions held through it look like a held session's cost, and fill the host on paper. So the CPU of each
+process is also fitted as a cost per session held plus a cost per session opened (least squares over
+the windows of the last HISTORY_S, below), and a window with opens in it measures a session's cost
+only with the opens' fitted share taken out; while the history cannot tell the two apart, the last
+cost measured stands.
+
+Until a session's cost has been measured (a fresh server, or one whose every window had opens in it),
+at most RAMP sessions per core per window are let in (of those, the ones still open: a session that
+closed again costs nothing), and none while the measured load is past `max_load`, so that a burst of
+opens on an idle host is measured before it is all admitted. Sessions opened since the window's start
+count at the last known cost.
 
 A window of mostly silent sessions makes a session look cheap: speech is most of its cost (inference,
-compositing, encoding). So each process's CPU over the last HISTORY_S is also fitted as a cost per
-open session plus a cost per speech frame sent (least squares over the windows, once they have seen
+compositing, encoding). So the fit also has a cost per speech frame sent (once the windows have seen
 the speech rate vary), and, with `speaking_share` > 0, a session is also refused while all of them,
 one more included, speaking `speaking_share` of the time would pass the same limits: the host admits
 what it holds when its sessions speak, not what it holds in a quiet moment.
@@ -47,9 +57,10 @@ import numpy as np
 
 SAMPLE_S = 0.5
 RAMP = 8     # sessions admitted per core per window while no session's cost has been measured
-HISTORY_S = 60.0   # the windows the speech model is fitted over
+HISTORY_S = 60.0   # the windows the costs (per session, speech frame and open) are fitted over
 BUSY_SHARE = 0.5   # speakers_held: only while the processes use this share of max_burst_load of the cores
-MIN_FIT = 8        # ... at least this many, with speech in half of them
+MIN_FIT = 8        # windows a fit takes at least; speech (or opens) in half of them to fit its cost
+MAX_COND = 10.0    # opens a term only while its column is this far from the others' (condition number)
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,8 @@ class Busy:
 
 @dataclass(frozen=True)
 class Load:
-    """One window's measurement: CPU used, in cores, by each process, and the sessions open meanwhile."""
+    """One window's measurement: CPU used, in cores, by each process, and the sessions open meanwhile
+    (as `cost`: one session held's share)."""
 
     by_process: Mapping[str, float]
     sessions: float
@@ -81,24 +93,28 @@ class Capacity:
         self._single = single_threaded
         self.speaking_share, self.fps = speaking_share, fps
         self.burst_share, self.max_burst_load = burst_share, max_burst_load
-        self._samples: collections.deque = collections.deque()   # (t, {process: cpu seconds}, sessions, speech)
+        # (t, {process: cpu seconds}, sessions, speech frames, sessions opened)
+        self._samples: collections.deque = collections.deque()
         self.load: Optional[Load] = None
-        self.cost: Optional[Load] = None    # one session's share: cores per process, last measured
+        self.cost: Optional[Load] = None    # one session held's share: cores per process, last measured
         self._admitted: collections.deque = collections.deque()  # when sessions were let in unmeasured
-        self._history: collections.deque = collections.deque()   # (t, {process: cores}, sessions, speech frames/s)
-        # the fitted model, per process: cores per open session, and per speech frame per second
+        # (t, {process: cores}, sessions, speech frames/s, opens/s)
+        self._history: collections.deque = collections.deque()
+        # the fitted model, per process: cores per session held, and per speech frame per second (both
+        # fitted only together), and core-seconds per session opened
         self.per_session: Optional[dict[str, float]] = None
         self.per_frame: Optional[dict[str, float]] = None
+        self.per_open: Optional[dict[str, float]] = None
 
     def sample(self, now: float, cpu_seconds: Mapping[str, float], sessions: int,
-               speech_frames: Optional[int] = None) -> None:
-        """Record the processes' cumulative CPU seconds, the sessions open at `now`, and the speech
-        frames sent so far (cumulative; None: not known)."""
+               speech_frames: Optional[int] = None, opened: Optional[int] = None) -> None:
+        """Record the processes' cumulative CPU seconds, the sessions open at `now`, the speech frames sent
+        so far and the sessions opened so far (both cumulative; None: not known)."""
         samples = self._samples
-        samples.append((now, dict(cpu_seconds), sessions, speech_frames))
+        samples.append((now, dict(cpu_seconds), sessions, speech_frames, opened))
         while len(samples) > 2 and now - samples[1][0] >= self.window_s:
             samples.popleft()
-        t0, first, _, first_speech = samples[0]
+        t0, first, _, first_speech, first_opened = samples[0]
         if now - t0 < self.window_s / 2:
             return
         span = now - t0
@@ -109,50 +125,59 @@ class Capacity:
         counts = [s[2] for s in list(samples)[1:]]   # at the end of each interval the CPU time covers
         mean_sessions = sum(counts) / len(counts)
         self.load = Load(by_process, mean_sessions)
-        if min(counts) >= 1:
-            self.cost = Load({name: used / mean_sessions for name, used in by_process.items()}, 1.0)
-        if speech_frames is not None and first_speech is not None:
+        # per second over the window; None: not known
+        speech = None if speech_frames is None or first_speech is None else (speech_frames - first_speech) / span
+        opens = None if opened is None or first_opened is None else (opened - first_opened) / span
+        if speech is not None or opens is not None:
             history = self._history
-            history.append((now, by_process, mean_sessions, (speech_frames - first_speech) / span))
+            history.append((now, by_process, mean_sessions, speech or 0.0, opens or 0.0))
             while history and now - history[0][0] > HISTORY_S:
                 history.popleft()
             self._fit()
+        opens = opens or 0.0   # (not known: none)
+        if min(counts) >= 1 and (not opens or self.per_open is not None):
+            # NOTE: after the fit, which has this window in it: the opens' share taken out by it
+            per_open = self.per_open or {}
+            self.cost = Load({name: max(used - opens * per_open.get(name, 0.0), 0.0) / mean_sessions
+                              for name, used in by_process.items()}, 1.0)
 
     def _fit(self) -> None:
         """Each process's CPU as (cores per session) x sessions + (cores per speech frame/s) x speech
-        frames/s, by least squares over the history; kept as it was while the history cannot tell the
-        two apart (too few windows, no speech, or speech always in the same proportion)."""
-        windows = [(by_process, sessions, speech) for _, by_process, sessions, speech in self._history
+        frames/s + (core-seconds per open) x opens/s, by least squares over the history's windows with a
+        session open, with the terms seen in at least half of MIN_FIT windows. Opens are a term only while
+        the history tells them apart from the rest (MAX_COND: not always in the same proportion);
+        otherwise speech is fitted as before, opens left in the cost per session. What a fit leaves out
+        is kept as it was, and so is all of it while the history cannot tell speech apart either (no
+        speech, or speech always in the same proportion)."""
+        windows = [(by_process, (sessions, speech, opens)) for _, by_process, sessions, speech, opens in self._history
                    if sessions >= 1]
-        if len(windows) < MIN_FIT or sum(speech > 0 for _, _, speech in windows) < MIN_FIT // 2:
+        if len(windows) < MIN_FIT:
             return
-        x = np.array([(sessions, speech) for _, sessions, speech in windows], np.float64)
-        if np.linalg.matrix_rank(x, tol=1e-6 * float(np.abs(x).max())) < 2:
-            return
-        names = sorted({name for by_process, _, _ in windows for name in by_process})
-        used = np.array([[by_process.get(name, 0.0) for name in names] for by_process, _, _ in windows])
-        coef = np.clip(np.linalg.lstsq(x, used, rcond=None)[0], 0.0, None)   # [2, processes]
-        self.per_session = dict(zip(names, coef[0].tolist()))
-        self.per_frame = dict(zip(names, coef[1].tolist()))
+        x = np.array([terms for _, terms in windows], np.float64)   # [windows, (sessions, speech, opens)]
+        speech, opens = ((x[:, 1:] > 0).sum(axis=0) >= MIN_FIT // 2).tolist()
+        terms = (0, 1, 2) if speech else (0, 2)
+        if not (opens and _told_apart(x[:, terms])):
+            terms = (0, 1)
+            if not speech or np.linalg.matrix_rank(x[:, terms], tol=1e-6 * float(np.abs(x[:, terms]).max())) < 2:
+                return
+        names = sorted({name for by_process, _ in windows for name in by_process})
+        used = np.array([[by_process.get(name, 0.0) for name in names] for by_process, _ in windows])
+        coef = np.clip(np.linalg.lstsq(x[:, terms], used, rcond=None)[0], 0.0, None)   # [terms, processes]
+        fitted = {term: dict(zip(names, row.tolist())) for term, row in zip(terms, coef)}
+        if 1 in fitted:
+            self.per_session, self.per_frame = fitted[0], fitted[1]
+        if 2 in fitted:
+            self.per_open = fitted[2]
 
     def refuse(self, now: float, sessions: int) -> Optional[Busy]:
         """Busy if one more session than the `sessions` open now would overfill the host; else None."""
         load, cost, retry = self.load, self.cost, self.window_s
         if load is None or cost is None:
-            admitted = self._admitted
-            while admitted and now - admitted[0] >= self.window_s:
-                admitted.popleft()
-            if len(admitted) >= max(round(RAMP * self.cores), 1):
-                return Busy(f"{len(admitted)} sessions opened in the last {self.window_s:g} s before their cost "
-                            "on this server was measured; retry shortly", retry)
-            admitted.append(now)
-            return None
+            return self._ramp(now, sessions, load, retry)
         extra = sessions + 1 - load.sessions     # sessions the window has not seen, this one included
         total = load.total + cost.total * extra
         if total > self.max_load * self.cores:
-            return Busy(f"this server's processes would use {total:.2f} of its {self.cores:g} cores with "
-                        f"{sessions + 1} sessions (now {load.total:.2f} with {load.sessions:.0f}; "
-                        f"sessions.max_cpu_load {self.max_load:g}); retry later or open on another server", retry)
+            return self._full(total, sessions + 1, load, retry)
         for name, used in load.by_process.items():
             if not self._single(name):
                 continue
@@ -163,10 +188,30 @@ class Capacity:
                             "open on another server", retry)
         return self._refuse_speaking(sessions + 1, retry)
 
+    def _ramp(self, now: float, sessions: int, load: Optional[Load], retry: float) -> Optional[Busy]:
+        """Busy past RAMP sessions per core let in over the last window and still open, while what a session
+        costs is not measured; or while the load measured is past max_load already."""
+        if load is not None and load.total > self.max_load * self.cores:
+            return self._full(load.total, sessions + 1, load, retry)
+        admitted = self._admitted
+        while admitted and now - admitted[0] >= self.window_s:
+            admitted.popleft()
+        unmeasured = min(len(admitted), sessions)   # at most all the sessions open now: some closed again
+        if unmeasured >= max(round(RAMP * self.cores), 1):
+            return Busy(f"{unmeasured} sessions opened in the last {self.window_s:g} s before their cost "
+                        "on this server was measured; retry shortly", retry)
+        admitted.append(now)
+        return None
+
+    def _full(self, total: float, n: int, load: Load, retry: float) -> Busy:
+        return Busy(f"this server's processes would use {total:.2f} of its {self.cores:g} cores with {n} sessions "
+                    f"(now {load.total:.2f} with {load.sessions:.0f}; sessions.max_cpu_load {self.max_load:g}); "
+                    "retry later or open on another server", retry)
+
     def _refuse_speaking(self, n: int, retry: float) -> Optional[Busy]:
         """Busy if n sessions, each speaking `speaking_share` of the time, would overfill the host by the
         fitted model."""
-        if self.per_session is None or not self.speaking_share:
+        if self.per_frame is None or not self.speaking_share:
             return None
         used = self._speech_load(n, n * self.speaking_share)
         total = sum(used.values())
@@ -213,7 +258,7 @@ class Capacity:
         while the processes use less than BUSY_SHARE of that (measured over the last window): a fit that
         is off must not shed speech on a host with room. Shedding asks it when a session starts to speak
         (live/shedding.py)."""
-        if self.per_session is None or self.load is None \
+        if self.per_frame is None or self.load is None \
                 or self.load.total < BUSY_SHARE * self.max_burst_load * self.cores:
             return None
         held = float(n)
@@ -225,6 +270,13 @@ class Capacity:
             if self._single(name) and per_frame > 0:
                 held = min(held, (1.0 - n * self.per_session[name]) / (self.fps * per_frame))
         return max(math.floor(held), 0)
+
+
+def _told_apart(columns: np.ndarray) -> bool:
+    """Whether least squares can tell these terms' costs apart: no column all zero, and no two (nor one
+    and a mix of the others) nearly in the same proportion over the windows."""
+    norms = np.linalg.norm(columns, axis=0)
+    return bool(norms.all()) and float(np.linalg.cond(columns / norms)) <= MAX_COND
 
 
 def speaking_at_once(n: int, share: float, exceeded: float) -> int:

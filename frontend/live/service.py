@@ -109,6 +109,7 @@ class Live:
                                   burst_share=self.cfg.burst_share, max_burst_load=self.cfg.max_burst_load)
                          if cpu is not None and (self.cfg.max_cpu_load > 0 or self.cfg.shed_speech) else None)
         self._speech_sent = 0   # speech frames rendered and sent, all sessions (what the capacity model fits)
+        self._opens = 0         # sessions whose opening began (its warm-up: a cost apart from holding it)
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
         self.shedder = Shedder() if self.cfg.shed_speech else None
         self._shed_timer: Any = None   # the next shedding window, while sessions are open
@@ -209,6 +210,7 @@ class Live:
             now + timeout_s, lambda: self._open_failed(session.token, ErrorCode.TIMEOUT,
                                                        f"model {spec.id} was not ready to stream within {timeout_s:g}s "
                                                        "(limits.request_timeout_s); retry")), fmt, now)
+        self._opens += 1
         self.host.submit(Request(Kind.LOAD, spec.id, deadline=now + timeout_s, work=Pin(session.token, self),
                                  pin=1))
         self._prefetch(session)
@@ -240,7 +242,7 @@ class Live:
 
     def _sample(self) -> None:
         now = self.clock.now()
-        self.capacity.sample(now, self._cpu(), len(self.table), self._speech_sent)
+        self.capacity.sample(now, self._cpu(), len(self.table), self._speech_sent, self._opens)
         if self.capacity.load is not None:
             self._cpu_load.set(self.capacity.load.total / self.capacity.cores)
         self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
