@@ -349,6 +349,38 @@ def test_a_host_past_its_cpu_share_answers_busy_and_its_sessions_go_on(models, t
         assert [h["index"] for _, h, _ in got] == list(range(len(got))), "frames dropped or out of order"
 
 
+def test_after_200_opens_and_closes_all_of_max_sessions_open_again(models, tmp_path):
+    """Sessions opened and closed in a row, with one session open throughout (each open loads and warms
+    up its model and renders its first idle frames; an idle JPEG session held costs little): their
+    opening is not taken for the cost of a session held. Then sessions.max_sessions idle sessions open
+    again one after another: a refusal may say their cost is not measured yet (every window so far had
+    opens in it; the client waits as the server says), never that the cores are full."""
+    cfg = base_config(models, sessions={"max_sessions": 25, "max_queued_frames": 10})
+    refusals: list = []
+
+    def opened(deadline: float) -> Session:
+        while True:
+            try:
+                return Session(srv.endpoint, "a", format="jpeg")
+            except ServerError as err:
+                assert err.code == "busy" and time.monotonic() < deadline, (err, refusals)
+                refusals.append(err)
+                time.sleep(err.retry_after_s)   # as the server says
+
+    with run_server(tmp_path, cfg) as srv, Session(srv.endpoint, "a", format="jpeg"):
+        deadline = time.monotonic() + 60
+        for _ in range(200):
+            opened(deadline).__exit__(None, None, None)
+        held = []
+        try:
+            while len(held) < cfg["sessions"]["max_sessions"] - 1:
+                held.append(opened(deadline))
+        finally:
+            for s in held:
+                s.__exit__(None, None, None)
+        assert not [err for err in refusals if "measured" not in err.message], refusals
+
+
 def test_the_avatar_sdk_waits_for_room_on_a_full_server_as_the_server_says(models, tmp_path):
     """AvatarStream.open on a full server (sessions.max_sessions 1): asks again after each busy's
     retry_after_ms, and opens once the other session closes; with no time to wait, it fails naming busy."""
