@@ -40,6 +40,12 @@ class DeviceError(RuntimeError):
     """A worker's device cannot run models at all; the message says what to install or configure."""
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """cupy's OutOfMemoryError, or onnxruntime's failed allocation on the device."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return "outofmemory" in text or "out of memory" in text or "failed to allocate memory" in text
+
+
 def cuda_id(device: str) -> int:
     """The GPU index of a worker's device string, "cuda:N"."""
     return int(device.split(":")[1])
@@ -65,6 +71,10 @@ class CpuDevice:
     # -- buffers (numpy: the CPU provider reads and writes host memory) ---------------------------
 
     def empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    def host_empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        """A host buffer rows are gathered in before they go to the device (pinned on a GPU)."""
         return np.zeros(shape, dtype)
 
     def resident(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -147,6 +157,9 @@ class CudaDevice:
 
     def empty(self, shape: tuple[int, ...], dtype=np.float32) -> Any:
         return self._cuda.zeros(self.device_id, shape, dtype)
+
+    def host_empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+        return self._cuda.pinned_empty(shape, dtype)
 
     def resident(self, arrays: list[np.ndarray]) -> list:
         return self._cuda.resident(self.device_id, arrays)

@@ -49,14 +49,20 @@ class Architecture:
     def nbytes(self) -> int:
         return sum(int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
-    def check(self, model: str, weights: list[np.ndarray]) -> None:
-        """A model's weights must fit this architecture: the error names the tensor and both shapes."""
-        if len(weights) != len(self.weights):
-            raise AssetError(f"model {model}: {len(weights)} weight tensors, its architecture has {len(self.weights)}")
-        for name, shape, dtype, array in zip(self.weights, self.shapes, self.dtypes, weights):
-            if array.shape != shape or array.dtype != dtype:
-                raise AssetError(f"model {model}: weight {name} is {list(array.shape)} {array.dtype}, its architecture "
-                                 f"needs {list(shape)} {dtype}")
+    def weights_of(self, model: str, split: "Split") -> list[np.ndarray]:
+        """A model's weights (`split` of its file) in this architecture's order and types (an fp16
+        architecture's are cast): the error names a tensor that is missing or of another shape."""
+        by_name = dict(zip(split.architecture.weights, split.weights))
+        arrays = []
+        for name, shape, dtype in zip(self.weights, self.shapes, self.dtypes):
+            array = by_name.get(name)
+            if array is None:
+                raise AssetError(f"model {model}: it has no weight {name}, which its architecture needs ({list(shape)})")
+            if array.shape != shape:
+                raise AssetError(f"model {model}: weight {name} is {list(array.shape)}, its architecture needs "
+                                 f"{list(shape)}")
+            arrays.append(array.astype(dtype, copy=False))
+        return arrays
 
 
 @dataclass
@@ -122,13 +128,19 @@ def check_convolutions(architecture: Architecture, path: Path) -> None:
 def split_model(path: Path) -> Split:
     """Read an ONNX file into its architecture and its weights; AssetError says what is wrong with it."""
     import onnx
-    from onnx import numpy_helper
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
     try:
         model = onnx.load(str(path))
     except Exception as err:   # protobuf's and onnx's own exception types for bad files
         raise AssetError(f"{path}: not an ONNX model: {str(err).splitlines()[0][:300] if str(err) else type(err).__name__}") from None
+    return split_proto(model, path)
+
+
+def split_proto(model, path: Path) -> Split:
+    """`split_model` of a ModelProto (changed in place); `path` names it in errors."""
+    import onnx
+    from onnx import numpy_helper
     graph = model.graph
     # NOTE: before IR version 4 every initializer is also listed as a graph input (a default a caller may
     # override): such entries are weights or constants here, not the model's inputs.

@@ -72,8 +72,9 @@ def _culprit(err: Exception, model: onnx.ModelProto) -> str:
     return text
 
 
-def to_fp16(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[str]]:
-    """(`model` in float16 with float32 inputs and outputs, None), or, where it cannot be converted (the
+def to_fp16(model: onnx.ModelProto, keep_fp32: int = 0) -> tuple[onnx.ModelProto, Optional[str]]:
+    """(`model` in float16 with float32 inputs and outputs, None; its first `keep_fp32` convolutions kept
+    in float32: an error there is carried through the whole network), or, where it cannot be converted (the
     converter raises, or onnx.checker refuses its result, types included), (`model` unchanged, a warning
     naming the op or the error). Values below float16's range (|x| < 1e-7) are clamped to +-1e-7, as the converter does,
     without its warning per tensor."""
@@ -85,7 +86,8 @@ def to_fp16(model: onnx.ModelProto) -> tuple[onnx.ModelProto, Optional[str]]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # NOTE: one "will be truncated" warning per small weight tensor
-            converted = float16.convert_float_to_float16(named, keep_io_types=True)
+            kept = [n.name for n in named.graph.node if n.op_type == "Conv"][:keep_fp32]
+            converted = float16.convert_float_to_float16(named, keep_io_types=True, node_block_list=kept)
         # NOTE: full_check adds type inference: an op whose schema has no float16 (Celu) fails here, by
         # name, rather than when onnxruntime makes the session
         onnx.checker.check_model(converted, full_check=True)

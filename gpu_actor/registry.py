@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from config.assets import AssetError
-from gpu_actor.device import make_device
+from gpu_actor.device import make_device, out_of_memory
 from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import Architectures
 
@@ -68,18 +68,12 @@ class LoadResult:
     code: str = ""
 
 
-def _out_of_memory(err: Exception) -> bool:
-    """cupy's OutOfMemoryError, or onnxruntime's failed allocation on the device."""
-    text = f"{type(err).__name__}: {err}".lower()
-    return "outofmemory" in text or "out of memory" in text or "failed to allocate memory" in text
-
-
 class Registry:
     def __init__(self, device, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
                  on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False,
                  companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
-                 workers: int = 1, max_batch: int = 32):
+                 workers: int = 1, max_batch: int = 32, precision: str = "fp32"):
         self.device = make_device(device) if isinstance(device, str) else device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
@@ -96,7 +90,7 @@ class Registry:
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
-        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin) \
+        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin, precision) \
             if self.device.shared_weights else None
 
     def close(self) -> None:
@@ -149,7 +143,7 @@ class Registry:
         except AssetError as err:
             return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
         except Exception as err:  # a model must never take the worker down
-            code = "out_of_memory" if _out_of_memory(err) else "bad_request"
+            code = "out_of_memory" if out_of_memory(err) else "bad_request"
             return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {str(err)[:300]}", code)
         return LoadResult(model, runner, nbytes, (time.perf_counter() - t0) * 1000, None)
 

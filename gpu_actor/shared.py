@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -25,13 +26,28 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from config.assets import AssetError, ModelIO, classify_io
-from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
-from gpu_actor.graphs import Architecture, check_convolutions, split_model
+from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
+from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model, split_proto
 from gpu_actor.runner import dims, require_provider, session_options
+from gpu_actor.device import out_of_memory
 from gpu_actor.shapes import BatchShapes
+from gpu_actor.visual import VisualFrames
 
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
+FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's
+FP16_KEEP_FP32 = (0, 2, 4, 8, 16, 32, 1 << 30)   # leading convolutions kept in fp32, tried in turn
+
+
+def _crop(out: dict | np.ndarray) -> np.ndarray:
+    """Mouths as the compositor pastes them, floor(255 * P) in 0..255 (cpu_actor/composite.py)."""
+    mouths = out["out"] if isinstance(out, dict) else out
+    return np.clip(np.floor(255 * mouths.astype(np.float64)), 0, 255)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
 
 
 class Prepared:
@@ -54,34 +70,78 @@ class Prepared:
         self.sessions = {size: first if size == self.shapes.largest else
                          ort.InferenceSession(architecture.graph, options, providers=device.providers(tensorrt))
                          for size in self.shapes.sizes}
+        # the avatar's crops become the visual input on the device (gpu_actor/preprocess.py): a crop is
+        # 0.32 MB on the bus where its float input is 2.46 MB; a client's own visual input goes as it is
+        from gpu_actor.preprocess import visual_graph   # NOTE: here: it imports onnx, which READY does not need
+        self.crop_session = ort.InferenceSession(visual_graph().SerializeToString(), options,
+                                                 providers=device.providers())
         largest = self.shapes.largest
         self.visual = device.empty((largest, *VISUAL_SHAPE))
         self.audio = device.empty((largest, *self.io.audio_shape))
         self.out = device.empty((largest, *MOUTH_SHAPE))
+        self.crops = device.empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
+        self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
+        self._crop_bindings: dict[int, object] = {}
         self.users: weakref.WeakSet = weakref.WeakSet()   # its SharedRunners: in use while any lives
+        self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
+        self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
 
     def prepare(self, weights: list) -> None:
-        """Run every size once, largest first (the first call pays the device's per-shape preparation;
-        the largest grows the memory pool once for all), with buffers of its own: the main thread may be
-        running other architectures meanwhile."""
-        device = self.device
+        """Run every size twice, largest first: the first call pays the device's per-shape preparation
+        (and the largest grows the memory pool once for all), the second is the size's steady cost
+        (`call_s`). Buffers of its own: the main thread may be running other architectures meanwhile.
+        A size the device has no memory for is dropped (its batches run as calls at smaller sizes)."""
+        device, dropped = self.device, []
         for size in sorted(self.shapes.sizes, reverse=True):
-            session = self.sessions[size]
-            binding = session.io_binding()
-            for name, array in zip(self.architecture.weights, weights):
-                device.bind(binding, name, array)
-            # NOTE: a binding holds addresses, not the arrays: these names keep them alive through the run
-            visual, audio = device.empty((size, *VISUAL_SHAPE)), device.empty((size, *self.io.audio_shape))
-            out = device.empty((size, *MOUTH_SHAPE))
-            device.bind(binding, self.io.visual, visual)
-            device.bind(binding, self.io.audio, audio)
-            device.bind(binding, self.io.output, out, output=True)
+            before = device.memory_used()
             try:
-                device.run(session, binding, size)
+                self._warm(size, weights)
             except Exception as err:   # onnxruntime's own errors: a graph it loads but cannot run
-                raise AssetError(f"the model's graph fails to run at batch {size}: "
-                                 f"{str(err).splitlines()[0][:300] if str(err) else type(err).__name__}") from None
-            del visual, audio, out, binding
+                text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+                if out_of_memory(err) and size > 1:
+                    log.warning("architecture %s: no device memory for batch %d (%s); its batches run smaller",
+                                self.architecture.key, size, text)
+                    dropped.append(size)
+                    continue
+                raise AssetError(f"the model's graph fails to run at batch {size}: {text}") from None
+            if not self.frame_bytes:
+                self.frame_bytes = max(device.memory_used() - before, 0) // size
+        if dropped:
+            for size in dropped:
+                del self.sessions[size]
+            self.shapes = BatchShapes(tuple(self.sessions))
+
+    def _warm(self, size: int, weights: list) -> None:
+        device, session = self.device, self.sessions[size]
+        binding = session.io_binding()
+        for name, array in zip(self.architecture.weights, weights):
+            device.bind(binding, name, array)
+        # NOTE: a binding holds addresses, not the arrays: these names keep them alive through the runs
+        visual, audio = device.empty((size, *VISUAL_SHAPE)), device.empty((size, *self.io.audio_shape))
+        out = device.empty((size, *MOUTH_SHAPE))
+        device.bind(binding, self.io.visual, visual)
+        device.bind(binding, self.io.audio, audio)
+        device.bind(binding, self.io.output, out, output=True)
+        device.run(session, binding, size)
+        t0 = time.perf_counter()
+        device.run(session, binding, size)
+        self.call_s[size] = time.perf_counter() - t0
+        device.run(self.crop_session, self.crop_binding(size), size)
+
+    def crop_binding(self, size: int):
+        """The crops graph's binding at `size`: crops[:size] -> visual[:size], made once."""
+        binding = self._crop_bindings.get(size)
+        if binding is None:
+            binding = self.crop_session.io_binding()
+            inputs, outputs = self.crop_session.get_inputs(), self.crop_session.get_outputs()
+            self.device.bind(binding, inputs[0].name, self.crops[:size])
+            self.device.bind(binding, outputs[0].name, self.visual[:size], output=True)
+            self._crop_bindings[size] = binding
+        return binding
+
+    def frames_per_s(self) -> float:
+        """The most frames a second this architecture runs: at its best prepared size, measured."""
+        return max((size / s for size, s in self.call_s.items() if s > 0), default=0.0)
 
 
 class SharedRunner:
@@ -115,14 +175,24 @@ class SharedRunner:
         if audio.shape != (batch, *self.io.audio_shape):
             raise AssetError(f"{self.path}: audio must be [{batch}, {', '.join(map(str, self.io.audio_shape))}], "
                              f"got {list(audio.shape)}")
+        crops = visual.crops if isinstance(visual, VisualFrames) else None
         frames = visual if callable(visual) else lambda start, end: visual[start:end]
         p, device = self.prepared, self.prepared.device
         for chunk in p.shapes.plan(batch):
             rows = chunk.end - chunk.start
-            device.upload(p.visual[:rows], frames(chunk.start, chunk.end))
+            if crops is not None:
+                # NOTE: zero crops make a zero visual input: padded rows stay harmless zeros
+                host = p.crops_host[:chunk.size]
+                np.stack(crops[chunk.start:chunk.end], out=host[:rows])
+                host[rows:] = 0
+                device.upload(p.crops[:chunk.size], host)
+                device.run(p.crop_session, p.crop_binding(chunk.size), chunk.size)
+            else:
+                device.upload(p.visual[:rows], frames(chunk.start, chunk.end))
+                if chunk.padding:   # NOTE: padded rows are zeros, whatever the last call left there
+                    device.zero(p.visual[rows:chunk.size])
             device.upload(p.audio[:rows], audio[chunk.start:chunk.end])
-            if chunk.padding:   # NOTE: padded rows are zeros, whatever the last call left there
-                device.zero(p.visual[rows:chunk.size])
+            if chunk.padding:
                 device.zero(p.audio[rows:chunk.size])
             device.run(p.sessions[chunk.size], self._binding(chunk.size), chunk.size)
             device.download(p.out[:rows], out[chunk.start:chunk.end])
@@ -131,30 +201,75 @@ class SharedRunner:
 class Architectures:
     """A worker's prepared architectures, by key; `load` (the load thread) gives a model's runner."""
 
-    def __init__(self, device, max_batch: int, threads: int, tensorrt: bool, spin: bool):
-        self.device, self.max_batch = device, max_batch
+    def __init__(self, device, max_batch: int, threads: int, tensorrt: bool, spin: bool, precision: str = "fp32"):
+        self.device, self.max_batch, self.precision = device, max_batch, precision
         self._options = (threads, tensorrt, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
 
     def load(self, path: Path, model: str = "") -> SharedRunner:
         split = split_model(path)
-        key = split.architecture.key
+        key = split.architecture.key   # NOTE: fp32's key also for fp16: every model of it converts alike
         with self._lock:
             prepared = self.prepared.get(key)
         if prepared is None:
             check_convolutions(split.architecture, path)
-            prepared = Prepared(split.architecture, self.device, self.max_batch, *self._options)
-            weights = self.device.resident(split.weights)
+            architecture = self._fp16(path, split) if self.precision == "fp16" else split.architecture
+            prepared = Prepared(architecture, self.device, self.max_batch, *self._options)
+            weights = self.device.resident(architecture.weights_of(model or str(path), split))
             prepared.prepare(weights)
-            log.info("architecture %s (from %s) prepared at batch sizes %s", key, path, prepared.shapes.sizes)
+            log.info("architecture %s (from %s) prepared at batch sizes %s: %.0f frames/s at best, %.1f MB a frame",
+                     key, path, prepared.shapes.sizes, prepared.frames_per_s(), prepared.frame_bytes / 1e6)
             with self._lock:
                 self._forget_idle()
                 self.prepared[key] = prepared
         else:
-            prepared.architecture.check(model or str(path), split.weights)
-            weights = self.device.resident(split.weights)
+            weights = self.device.resident(prepared.architecture.weights_of(model or str(path), split))
         return SharedRunner(prepared, weights, path)
+
+    def _fp16(self, path: Path, split: Split) -> Architecture:
+        """The architecture in float16 (inputs and output float32), its first convolutions kept in float32
+        until its mouths, run on this device, keep the crop within FP16_MIN_PSNR_DB of fp32's (a probe
+        of random frames; SyncTalk_2D's imported unet_328 needs its first 8 of 93); fp32 if none does."""
+        import onnx
+        from gpu_actor.precision import to_fp16
+        probe = self._probe(split.architecture, split.weights, None)
+        reference = _crop(probe)
+        convs = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "Conv")
+        for keep in FP16_KEEP_FP32:
+            converted, warning = to_fp16(onnx.load(str(path)), keep_fp32=min(keep, convs))
+            if warning:
+                log.warning("%s: %s", path, warning)
+                return split.architecture
+            half = split_proto(converted, path)
+            mouths = self._probe(half.architecture, half.architecture.weights_of(str(path), split), probe)
+            psnr = _psnr(_crop(mouths), reference)
+            if psnr >= FP16_MIN_PSNR_DB:
+                log.info("%s: fp16 with its first %d of %d convolutions in fp32: crop %.1f dB from fp32's",
+                         path, min(keep, convs), convs, psnr)
+                return half.architecture
+            if keep >= convs:
+                break
+        log.warning("%s: inference.precision fp16 keeps the crop within %.1f dB of fp32's at best, under %.0f dB: "
+                    "running fp32", path, psnr, FP16_MIN_PSNR_DB)
+        return split.architecture
+
+    def _probe(self, architecture: Architecture, weights: list, inputs: Optional[dict]) -> dict:
+        """Run `architecture` once on this device (a batch of 2, a session of its own): {"out": mouths},
+        and the probe's inputs the first time (None): random frames, seeded."""
+        import onnxruntime as ort
+        threads, _, spin = self._options
+        session = ort.InferenceSession(architecture.graph, session_options(threads, spin),
+                                       providers=self.device.providers())
+        names = set(architecture.weights)
+        feeds = [i for i in session.get_inputs() if i.name not in names]
+        if inputs is None:
+            rng = np.random.default_rng(0)
+            inputs = {i.name: rng.random((2, *[d if isinstance(d, int) else 1 for d in i.shape[1:]]), dtype=np.float32)
+                      for i in feeds}
+        out = session.run(None, {**{k: v for k, v in inputs.items() if k != "out"},
+                                 **dict(zip(architecture.weights, weights))})[0]
+        return {**inputs, "out": out}
 
     def _forget_idle(self) -> None:
         idle = [key for key, p in self.prepared.items() if not p.users]

@@ -26,7 +26,7 @@ from gpu_actor.device import make_device
 from gpu_actor.registry import Registry
 from gpu_actor.runner import check_device, make_session
 from gpu_actor.visual import VisualFrames
-from shm.child import child_main
+from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
@@ -45,6 +45,13 @@ class InferenceWorker:
         self.device = run.devices[index]
         device = make_device(self.device)   # NOTE: first: a GPU's waits are set to block before its context exists
         check_device(self.device)
+        if config.inference.precision != "fp32" and not device.shared_weights:
+            # the CPU provider's sessions (a model's own) run fp32; the GPU path (and its stand-in) converts
+            from gpu_actor.precision import check_precision   # NOTE: only here: it imports onnx
+            try:
+                check_precision(config.inference.precision, "cpu")
+            except ValueError as err:
+                raise CannotServe(str(err)) from None
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
@@ -64,7 +71,7 @@ class InferenceWorker:
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
                                  self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
                                  batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device,
-                                 max_batch=config.limits.max_batch)
+                                 max_batch=config.limits.max_batch, precision=inf.precision)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)

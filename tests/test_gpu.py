@@ -68,3 +68,32 @@ def test_a_model_on_the_card_holds_its_weights(tmp_path):
     per_model = (used[-1] - used[1]) / 2
     assert per_model <= 1.5 * weights, f"{per_model / 2**20:.0f} MiB a model for {weights / 2**20:.0f} MiB of weights"
     reg.close()
+
+
+def test_fp16_on_the_card_keeps_the_crop_within_45_db_of_fp32(tmp_path):
+    from gpu_actor.device import CudaDevice
+    from gpu_actor.shared import Architectures, _crop, _psnr
+    path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="ave", seed=3)
+    rng = np.random.default_rng(7)
+    visual = rng.random((4, 6, 320, 320), dtype=np.float32)
+    audio = rng.standard_normal((4, 32, 16, 16)).astype(np.float32)
+    mouths = {}
+    for precision in ("fp32", "fp16"):
+        runner = Architectures(CudaDevice("cuda:0"), 4, 0, False, False, precision).load(path)
+        mouths[precision] = np.empty((4, 3, 320, 320), np.float32)
+        runner.run(visual, audio, mouths[precision])
+    psnr = _psnr(_crop(mouths["fp16"]), _crop(mouths["fp32"]))
+    print(f"\nfp16 vs fp32 on the card: crop PSNR {psnr:.1f} dB")
+    assert psnr >= 45
+
+
+def test_the_crops_graph_on_the_card_builds_build_visuals_input_to_the_bit():
+    import onnxruntime as ort
+    from gpu_actor.preprocess import visual_graph
+    from gpu_actor.visual import build_visual
+    crops = np.random.default_rng(4).integers(0, 256, (3, 328, 328, 3), dtype=np.uint8)
+    want = np.empty((3, 6, 320, 320), np.float32)
+    build_visual(list(crops), want)
+    session = ort.InferenceSession(visual_graph().SerializeToString(), providers=["CUDAExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: crops})[0]
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), float(np.abs(got - want).max())

@@ -206,6 +206,33 @@ def test_the_imported_models_compute_what_synctalk2ds_networks_compute(tmp_path,
                   ).max() > 0.05
 
 
+def test_the_imported_model_in_fp16_on_the_gpu_path_keeps_the_crop_within_45_db_of_fp32(tmp_path, files):
+    """inference.precision: fp16 converts the graph at load (the GPU path, here on the stand-in device:
+    the CPU provider runs the converted graph with its weights rounded to float16), keeping leading
+    convolutions in fp32 where the crop would fall under 45 dB of fp32's (all in fp16: 39.5 dB on this
+    checkpoint). The mouth as the compositor pastes it, floor(255 * P), against fp32's: PSNR >= 45 dB,
+    on other frames than the load's probe. On a card, tests/test_gpu.py."""
+    from gpu_actor.device import StandInDevice
+    from gpu_actor.shared import Architectures
+    out = import_avatar(make_dataset(tmp_path / "data"), tmp_path / "models" / "may", checkpoint=files / "unet.pth",
+                        progress=False).out
+    rng = np.random.default_rng(12)
+    visual = rng.random((2, 6, 320, 320), dtype=np.float32)
+    audio = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)
+    mouths = {}
+    for precision in ("fp32", "fp16"):
+        runner = Architectures(StandInDevice(0.0), 2, 0, False, False, precision).load(out / "model.onnx")
+        mouths[precision] = np.empty((2, 3, 320, 320), np.float32)
+        runner.run(visual, audio, mouths[precision])
+    assert runner.nbytes < 0.6 * Architectures(StandInDevice(0.0), 1, 0, False, False).load(out / "model.onnx").nbytes
+    crop = {p: np.clip(np.floor(255 * m), 0, 255) for p, m in mouths.items()}
+    mse = float(np.mean((crop["fp16"] - crop["fp32"]) ** 2))
+    psnr = 10 * np.log10(255 ** 2 / max(mse, 1e-12))
+    print(f"\nfp16 vs fp32, imported unet_328: crop PSNR {psnr:.1f} dB, largest difference "
+          f"{np.abs(mouths['fp16'] - mouths['fp32']).max():.1e}")
+    assert psnr >= 45, psnr
+
+
 def test_the_dataset_becomes_frames_and_synctalk2d_crop_boxes(tmp_path, files):
     data = make_dataset(tmp_path / "data", n=7, landmarks=5)   # landmark detection stopped after frame 4
     done = import_avatar(data, tmp_path / "models" / "may", checkpoint=files / "unet.pth", progress=False)

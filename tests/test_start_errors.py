@@ -250,3 +250,9 @@ def test_each_role_imports_only_what_its_start_needs(role, modules, allowed):
            "compositor": ("cpu_actor.worker",)}.get(role, ())
     extra = [m for m in ast.literal_eval(out) if not m.startswith(own) and m.split(".")[0] not in allowed]
     assert not extra, f"the {role} imports {extra}"
+
+
+def test_fp16_on_the_cpu_provider_ends_the_start_naming_the_setting(tmp_path, models):
+    cfg = base_config(models, **{"inference.precision": "fp16"})
+    words = _ends_naming(Run(tmp_path, cfg), "inference.precision")
+    assert "fp32" in words, words
