@@ -45,7 +45,7 @@ DISTINCT_WEIGHTS = 8              # residency: model files of distinct weights, 
 
 
 @dataclass(frozen=True)
-class Options:
+class GpuBenchOptions:
     device: str                   # "cpu" or "cuda:N"
     model: str                    # model_builder kind: unet328 | tiny
     max_batch: int
@@ -63,7 +63,7 @@ class Options:
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,
             levels: Optional[tuple[int, ...]] = None, seconds: float = 8.0, speaking: Optional[int] = None,
             max_models: Optional[int] = None, avatars: Optional[int] = None, residency_s: Optional[float] = None,
-            stand_in: Optional[float] = None, budget_ms: int = 280) -> Options:
+            stand_in: Optional[float] = None, budget_ms: int = 280) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider."""
     device = pick_device(device)
@@ -72,9 +72,9 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
     def pick(value, on_gpu, on_cpu):
         return value if value is not None else (on_gpu if gpu else on_cpu)
 
-    return Options(device, model, pick(max_batch, 32, 4), pick(levels, (16, 48, 96, 150, 200), (1, 2)), seconds,
-                   pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2), pick(residency_s, 240.0, 60.0),
-                   stand_in, budget_ms, steady_calls=10 if gpu else 3)
+    return GpuBenchOptions(device, model, pick(max_batch, 32, 4), pick(levels, (16, 48, 96, 150, 200), (1, 2)),
+                           seconds, pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2),
+                           pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3)
 
 
 # -- the device --------------------------------------------------------------------------------------
@@ -563,7 +563,7 @@ def _server_sections(results: dict, root: Path, cfg: dict, env: Optional[dict],
                 results[name] = {"error": f"server: {type(err).__name__}: {err}"}
 
 
-def _config(models: Path, o: Options, metrics_port: int) -> dict:
+def _config(models: Path, o: GpuBenchOptions, metrics_port: int) -> dict:
     from bench.sessions import _settings
     from tests.helpers import base_config
     return base_config(models, **{
@@ -573,7 +573,7 @@ def _config(models: Path, o: Options, metrics_port: int) -> dict:
         "metrics.port": metrics_port})
 
 
-def run(demo_dir: str, o: Options) -> dict:
+def run(demo_dir: str, o: GpuBenchOptions) -> dict:
     from tests.helpers import free_port
     demo = Path(demo_dir)
     root = Path(tempfile.mkdtemp(prefix="lsync-gpu-"))
