@@ -39,6 +39,7 @@ class ModelStats:
     loads: int = 0
     evictions: int = 0
     load_ms: float = 0.0
+    frames_per_s: float = 0.0    # on a GPU: its architecture's best measured throughput
     nbytes: int = 0              # what the model holds: its weights on a GPU, its load's resident memory on the CPU
     last_used: float = 0.0       # wall clock, for people
     uses: int = 0
@@ -47,7 +48,7 @@ class ModelStats:
     def as_dict(self) -> dict[str, float]:
         ms = np.asarray(self.infer_ms) if self.infer_ms else np.zeros(1)
         return {"requests": self.requests, "frames": self.frames, "errors": self.errors, "loads": self.loads,
-                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "nbytes": self.nbytes, "last_used": self.last_used,
+                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "nbytes": self.nbytes, "frames_per_s": round(self.frames_per_s, 1), "last_used": self.last_used,
                 "inference_ms_p50": float(np.percentile(ms, 50)), "inference_ms_p99": float(np.percentile(ms, 99))}
 
 
@@ -71,7 +72,7 @@ class LoadResult:
 class Registry:
     def __init__(self, device, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
-                 on_event: Callable[[str, str, float, int], None], wake: Callable[[], None], spin: bool = False,
+                 on_event: Callable[[str, str, float, int, float], None], wake: Callable[[], None], spin: bool = False,
                  companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
                  workers: int = 1, max_batch: int = 32, precision: str = "fp32"):
         self.device = make_device(device) if isinstance(device, str) else device
@@ -80,7 +81,7 @@ class Registry:
         self._threads, self._tensorrt, self._spin = threads, tensorrt, spin
         self._batch_memory = (batch_memory_bytes, workers)   # sizes each model's sub-batches at load
         self._resolve = resolve          # model id -> onnx path, or None if unknown
-        self._on_event = on_event        # (model, event, load_ms, nbytes)
+        self._on_event = on_event        # (model, event, load_ms, nbytes, frames_per_s)
         self._wake = wake                # called from the load thread when a load finishes
         self._companions = companions    # (load thread) load and warm what the model runs with (its audio encoder)
         self.loaded: dict[str, Loaded] = {}
@@ -165,12 +166,13 @@ class Registry:
                                 "model is in use: retry when fewer are, or lower inference.max_models_per_worker)")
             if result.runner is None:
                 stats.errors += 1
-                self._on_event(model, "failed", 0.0, 0)
+                self._on_event(model, "failed", 0.0, 0, 0.0)
             else:
                 stats.loads += 1
                 stats.load_ms, stats.nbytes = result.load_ms, result.nbytes
+                stats.frames_per_s = result.runner.frames_per_s
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
-                self._on_event(model, "loaded", result.load_ms, result.nbytes)
+                self._on_event(model, "loaded", result.load_ms, result.nbytes, stats.frames_per_s)
                 if model in self._unload_when_loaded:
                     self._unload_when_loaded.discard(model)
                     self._drop(model, "unloaded")
@@ -210,7 +212,7 @@ class Registry:
 
     def _drop(self, model: str, event: str) -> None:
         self.loaded.pop(model)
-        self._on_event(model, event, 0.0, 0)
+        self._on_event(model, event, 0.0, 0, 0.0)
 
     def unload(self, model: str) -> bool:
         """Unload now if idle; returns False if it is busy (the caller reports it)."""

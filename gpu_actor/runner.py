@@ -149,6 +149,8 @@ def _peak_rss() -> int:
 
 
 class ModelRunner:
+    frames_per_s = 0.0   # not measured: on the CPU, admission counts inference in the host's CPU (frontend/live)
+
     def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False,
                  batch_memory_bytes: int = 0, workers: int = 1):
         if device != "cpu":

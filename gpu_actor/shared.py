@@ -154,6 +154,10 @@ class SharedRunner:
         self._bindings: dict[int, object] = {}
         prepared.users.add(self)
 
+    @property
+    def frames_per_s(self) -> float:
+        return self.prepared.frames_per_s()
+
     def _binding(self, size: int):
         binding = self._bindings.get(size)
         if binding is None:

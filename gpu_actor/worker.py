@@ -97,9 +97,9 @@ class InferenceWorker:
         with self._wake_lock:
             self._wake_tx.send(b"")
 
-    def _model_event(self, model: str, event: str, load_ms: float, nbytes: int) -> None:
+    def _model_event(self, model: str, event: str, load_ms: float, nbytes: int, frames_per_s: float) -> None:
         self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
-                                              nbytes=nbytes)))
+                                              nbytes=nbytes, frames_per_s=frames_per_s)))
 
     def stop(self) -> None:
         self._stopping = True

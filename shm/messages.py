@@ -253,6 +253,7 @@ class ModelEvent(_Msg):
     event: ModelEventKind
     load_ms: float = 0.0
     nbytes: int = 0
+    frames_per_s: float = 0.0    # loaded on a GPU: what its device runs at most (measured at its best batch size)
 
 
 class StatsReport(_Msg):

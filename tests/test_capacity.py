@@ -297,3 +297,31 @@ def test_opens_are_fitted_apart_from_sessions_and_speech():
     assert sum(cap.per_session.values()) == pytest.approx(per_session, rel=0.1)
     assert sum(cap.per_frame.values()) == pytest.approx(per_frame, rel=0.05)
     assert sum(cap.per_open.values()) == pytest.approx(per_open, rel=0.1)
+
+
+def test_a_gpu_hosts_sessions_are_held_within_the_frames_per_second_its_workers_measured():
+    """The GPU workers' inference is not in the host's CPU: a cheap host with a full card refuses by what
+    the card runs (measured at load, sent with the model's ModelEvent), before speech is missed."""
+    cap = Capacity(cores=16, max_load=0.75, max_process_load=0.9, speaking_share=0.5, fps=25.0)
+    host = Host(cap, {"frontend": 0.001, "cpu0": 0.001}, {"frontend": 0.0, "cpu0": 0.0})
+    host.run(0, 2.0)
+    assert host.fill(limit=200) == 200            # no device measured: the cores alone, and they have room
+    cap.device(0, 400.0)
+    cap.device(0, 600.0)                          # a worker's lowest count holds: 400 frames/s
+    # 0.5 x 25 frames/s a session <= 0.75 x 400  ->  24 sessions
+    assert cap.refuse(host.now, 23) is None
+    busy = cap.refuse(host.now, 24)
+    assert busy is not None and "400 frames/s" in busy.message and "sessions.max_cpu_load" in busy.message
+    cap.device(1, 400.0)                          # a second GPU worker doubles it
+    assert cap.refuse(host.now, 47) is None and cap.refuse(host.now, 48) is not None
+
+
+def test_the_gpu_limit_holds_bursts_of_speech_too():
+    cap = Capacity(cores=16, max_load=0.75, max_process_load=0.9, speaking_share=0.27, fps=25.0,
+                   burst_share=0.01, max_burst_load=0.9)
+    cap.device(0, 1000.0)
+    n = next(n for n in range(1, 1000) if cap.refuse(0.0, n - 1) is not None)
+    k = speaking_at_once(n, 0.27, 0.01)
+    assert k * 25 > 0.9 * 1000 >= speaking_at_once(n - 1, 0.27, 0.01) * 25   # the burst, not the average, binds
+    assert n * 0.27 * 25 <= 0.75 * 1000
+    assert "speak at once" in cap.refuse(0.0, n - 1).message

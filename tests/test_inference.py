@@ -120,7 +120,7 @@ def ten_models(tmp_path_factory) -> dict[str, Path]:
 def _registry(paths, eviction="lru", max_models=3, max_bytes=0, events=None):
     events = events if events is not None else []
     return Registry("cpu", max_models, max_bytes, eviction, 0, 1, False, paths.get,
-                    lambda m, e, ms, b: events.append((m, e)), lambda: None)
+                    lambda m, e, ms, b, fps: events.append((m, e)), lambda: None)
 
 
 def _load(reg: Registry, model: str):
@@ -197,7 +197,7 @@ def test_broken_model_fails_alone(ten_models):
 
 def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
     events = []
-    reg = Registry("cpu", 5, 0, "lru", 0.2, 1, False, ten_models.get, lambda m, e, ms, b: events.append((m, e)),
+    reg = Registry("cpu", 5, 0, "lru", 0.2, 1, False, ten_models.get, lambda m, e, ms, b, fps: events.append((m, e)),
                    lambda: None)
     for name in ("m0", "m1"):
         _load(reg, name)

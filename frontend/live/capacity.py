@@ -105,6 +105,14 @@ class Capacity:
         self.per_session: Optional[dict[str, float]] = None
         self.per_frame: Optional[dict[str, float]] = None
         self.per_open: Optional[dict[str, float]] = None
+        # GPU workers: the most frames a second each one's device runs (measured when it prepared its models'
+        # architecture); their inference is not in the host's CPU, so it is a limit of its own
+        self.inference: dict[int, float] = {}
+
+    def device(self, worker: int, frames_per_s: float) -> None:
+        """A GPU worker measured `frames_per_s` for a model it loaded; the lowest of its models' counts."""
+        if frames_per_s > 0:
+            self.inference[worker] = min(self.inference.get(worker, frames_per_s), frames_per_s)
 
     def sample(self, now: float, cpu_seconds: Mapping[str, float], sessions: int,
                speech_frames: Optional[int] = None, opened: Optional[int] = None) -> None:
@@ -172,6 +180,9 @@ class Capacity:
     def refuse(self, now: float, sessions: int) -> Optional[Busy]:
         """Busy if one more session than the `sessions` open now would overfill the host; else None."""
         load, cost, retry = self.load, self.cost, self.window_s
+        busy = self._refuse_device(sessions + 1, retry)
+        if busy is not None:
+            return busy
         if load is None or cost is None:
             return self._ramp(now, sessions, load, retry)
         extra = sessions + 1 - load.sessions     # sessions the window has not seen, this one included
@@ -244,6 +255,27 @@ class Capacity:
             if self._single(name) and cores > 1.0:
                 return Busy(f"{name} would need {cores:.0%} of its one core {why}; retry later or open on another "
                             "server", retry)
+        return None
+
+    def _refuse_device(self, n: int, retry: float) -> Optional[Busy]:
+        """Busy if n sessions' speech would need more frames a second than the GPU workers measured they run:
+        on average (each speaking `speaking_share` of the time) past `max_load` of it, or in a burst (as many
+        speaking at once as is passed only `burst_share` of the time) past `max_burst_load` of it."""
+        if not self.inference or not self.speaking_share:
+            return None
+        capacity = sum(self.inference.values())
+        checks = [(n * self.speaking_share, self.max_load, "sessions.max_cpu_load",
+                   f"each speaking {self.speaking_share:.0%} of the time (sessions.speaking_share)")]
+        if self.burst_share:
+            k = speaking_at_once(n, self.speaking_share, self.burst_share)
+            checks.append((k, self.max_burst_load, "sessions.max_burst_load",
+                           f"when {k} speak at once (more do {self.burst_share:.1%} of the time, sessions.burst_share)"))
+        for speaking, share, key, why in checks:
+            need = speaking * self.fps
+            if need > share * capacity:
+                return Busy(f"the GPU workers would run {need:.0f} frames/s of speech with {n} sessions {why}, past "
+                            f"{share:g} of the {capacity:.0f} frames/s they measured ({key}); retry later or open on "
+                            "another server", retry)
         return None
 
     def _speech_load(self, n: int, speaking: float) -> dict[str, float]:

@@ -399,6 +399,11 @@ class Live:
         if session.h264 is not None:
             self.h264.close(session)
 
+    def device_capacity(self, worker: int, frames_per_s: float) -> None:
+        """A GPU worker measured what its device runs: admission holds sessions' speech within it."""
+        if self.capacity is not None:
+            self.capacity.device(worker, frames_per_s)
+
     def attach_viewer(self, viewer: Any) -> None:
         """The WebRTC viewer, once it runs (its host starts it after the first clients are served)."""
         self.viewer = viewer

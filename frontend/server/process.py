@@ -308,6 +308,8 @@ class Frontend(Shell):
         self.metrics.model_events.labels(msg.event.value).inc()
         if msg.load_ms:
             self.metrics.load_ms.observe(msg.load_ms)
+        if msg.frames_per_s:
+            self.live.device_capacity(msg.worker, msg.frames_per_s)
         self.apply(self.engine.model_event(msg))
         self._gauges()
 
