@@ -578,16 +578,15 @@ def run(demo_dir: str, o: GpuBenchOptions) -> dict:
     demo = Path(demo_dir)
     root = Path(tempfile.mkdtemp(prefix="lsync-gpu-"))
     env = {STAND_IN_ENV: str(o.stand_in)} if o.stand_in is not None else None
-    # the shapes the worker runs: with the stand-in, the GPU path's, on the CPU provider
-    sizes = prepared_sizes(o.max_batch, o.device)
-    worker_sizes = prepared_sizes(o.max_batch, "cuda:0") if o.stand_in is not None and o.device == "cpu" else sizes
-    batches = served_batches(worker_sizes, o.max_batch)
+    # the shapes the worker runs (with the stand-in, the GPU path's, on the CPU provider): the anchor's too
+    sizes = prepared_sizes(o.max_batch, "cuda:0" if env else o.device)
+    batches = served_batches(sizes, o.max_batch)
     results: dict = {"device": o.device, "device_name": device_name(o.device), "model": o.model,
                      "prepared_sizes": sizes, "stand_in_s": o.stand_in}
     print(f"device {results['device_name']}; model {o.model} (random weights); limits.max_batch {o.max_batch}, "
           f"prepared shapes {', '.join(map(str, sizes))}"
-          + (f"; stand-in device: CPU workers batch as on a GPU ({', '.join(map(str, worker_sizes))}) and stall "
-             f"{o.stand_in:g} s on each shape's first call ({STAND_IN_ENV})" if env else ""), flush=True)
+          + (f"; stand-in device: CPU workers batch as on a GPU and stall {o.stand_in:g} s on each shape's first "
+             f"call ({STAND_IN_ENV})" if env else ""), flush=True)
     try:
         models = root / "models"
         models.mkdir()
