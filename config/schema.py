@@ -102,6 +102,7 @@ class InferenceConfig(_Section):
     tensorrt: bool = False
     spin_threads: bool = False
     precision: Literal["fp32", "fp16"] = "fp32"
+    cuda_graphs: bool = False
 
 
 class CompositingConfig(_Section):

@@ -59,14 +59,6 @@ def pinned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(memory, dtype, int(np.prod(shape))).reshape(shape)
 
 
-def resident(device_id: int, arrays: list[np.ndarray]) -> list[cp.ndarray]:
-    """A model's weights uploaded (the load thread), complete before its first call reads them."""
-    with cp.cuda.Device(device_id):
-        on_device = [cp.asarray(a) for a in arrays]
-        cp.cuda.Stream.null.synchronize()
-    return on_device
-
-
 def upload(device_id: int, dst: cp.ndarray, src: np.ndarray) -> None:
     with cp.cuda.Device(device_id):
         dst.set(np.ascontiguousarray(src))
@@ -75,6 +67,12 @@ def upload(device_id: int, dst: cp.ndarray, src: np.ndarray) -> None:
 def zero(device_id: int, dst: cp.ndarray) -> None:
     with cp.cuda.Device(device_id):
         dst.fill(0)
+
+
+def copy(device_id: int, dst: cp.ndarray, src: cp.ndarray) -> None:
+    """Device to device (a model's weights into a CUDA graph's slot)."""
+    with cp.cuda.Device(device_id):
+        cp.copyto(dst, src)
 
 
 def download(device_id: int, src: cp.ndarray, dst: np.ndarray) -> None:

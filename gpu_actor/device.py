@@ -56,7 +56,7 @@ class CpuDevice:
     shared_weights = False     # per-model sessions: faster per frame on the CPU provider (module docstring)
     batched = False            # one frame per call
 
-    def providers(self, tensorrt: bool = False) -> list:
+    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list:
         return ["CPUExecutionProvider"]
 
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]:
@@ -77,15 +77,18 @@ class CpuDevice:
         """A host buffer rows are gathered in before they go to the device (pinned on a GPU)."""
         return np.zeros(shape, dtype)
 
-    def resident(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        """A model's weights where its calls read them: on the CPU, the arrays themselves."""
-        return [np.ascontiguousarray(a) for a in arrays]
-
     def upload(self, dst: np.ndarray, src: np.ndarray) -> None:
         dst[...] = src
 
     def zero(self, dst: np.ndarray) -> None:
         dst[...] = 0
+
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Device to device."""
+        dst[...] = src
+
+    def synchronize(self) -> None:
+        pass
 
     def download(self, src: np.ndarray, dst: np.ndarray) -> None:
         dst[...] = src
@@ -136,12 +139,13 @@ class CudaDevice:
         from gpu_actor.cuda_libs import preload
         preload()   # NOTE: before any session: the CUDA provider has no RUNPATH to find pip's libraries
 
-    def providers(self, tensorrt: bool = False) -> list:
-        return self.providers_for(self.device_id, tensorrt)
+    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list:
+        return self.providers_for(self.device_id, tensorrt, graphs)
 
     @staticmethod
-    def providers_for(device_id: int, tensorrt: bool = False) -> list:
-        providers: list = [("CUDAExecutionProvider", {"device_id": device_id})]
+    def providers_for(device_id: int, tensorrt: bool = False, graphs: bool = False) -> list:
+        options = {"device_id": device_id, **({"enable_cuda_graph": "1"} if graphs else {})}
+        providers: list = [("CUDAExecutionProvider", options)]
         if tensorrt:
             providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
         return providers
@@ -161,14 +165,17 @@ class CudaDevice:
     def host_empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
         return self._cuda.pinned_empty(shape, dtype)
 
-    def resident(self, arrays: list[np.ndarray]) -> list:
-        return self._cuda.resident(self.device_id, arrays)
-
     def upload(self, dst, src: np.ndarray) -> None:
         self._cuda.upload(self.device_id, dst, src)
 
     def zero(self, dst) -> None:
         self._cuda.zero(self.device_id, dst)
+
+    def copy(self, dst, src) -> None:
+        self._cuda.copy(self.device_id, dst, src)
+
+    def synchronize(self) -> None:
+        self._cuda.synchronize(self.device_id)
 
     def download(self, src, dst: np.ndarray) -> None:
         self._cuda.download(self.device_id, src, dst)
@@ -178,7 +185,8 @@ class CudaDevice:
         bind(name, "cuda", self.device_id, array.dtype, list(array.shape), array.data.ptr)
 
     def run(self, session: ort.InferenceSession, binding, size: int) -> None:
-        # NOTE: the inputs were copied on cupy's stream: done before onnxruntime's stream reads them
+        # NOTE: the inputs (and a graph's weight slot) were copied on cupy's stream: done before
+        # onnxruntime's stream reads them
         self._cuda.synchronize(self.device_id)
         session.run_with_iobinding(binding)
         binding.synchronize_outputs()

@@ -74,7 +74,7 @@ class Registry:
                  threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
                  on_event: Callable[[str, str, float, int, float], None], wake: Callable[[], None], spin: bool = False,
                  companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
-                 workers: int = 1, max_batch: int = 32, precision: str = "fp32"):
+                 workers: int = 1, max_batch: int = 32, precision: str = "fp32", cuda_graphs: bool = False):
         self.device = make_device(device) if isinstance(device, str) else device
         self.max_models, self.max_bytes = max_models, max_bytes
         self.eviction, self.idle_unload_s = eviction, idle_unload_s
@@ -91,7 +91,7 @@ class Registry:
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
-        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin, precision) \
+        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin, precision, cuda_graphs) \
             if self.device.shared_weights else None
 
     def close(self) -> None:

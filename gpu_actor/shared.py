@@ -32,9 +32,11 @@ from gpu_actor.runner import dims, require_provider, session_options
 from gpu_actor.device import out_of_memory
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
+from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
+GRAPH_WARM_RUNS = 2      # runs before the timed one with CUDA graphs: onnxruntime captures on one of them
 FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's
 FP16_KEEP_FP32 = (0, 2, 4, 8, 16, 32, 1 << 30)   # leading convolutions kept in fp32, tried in turn
 
@@ -53,23 +55,31 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 class Prepared:
     """One architecture on one device, prepared at every batch size."""
 
-    def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, tensorrt: bool, spin: bool):
+    def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, tensorrt: bool, spin: bool,
+                 graphs: bool = False):
         import onnxruntime as ort
         self.architecture, self.device = architecture, device
         options = session_options(threads, spin)
+
+        def session(graphs: bool) -> ort.InferenceSession:
+            return ort.InferenceSession(architecture.graph, options, providers=device.providers(tensorrt, graphs))
         try:
-            first = ort.InferenceSession(architecture.graph, options, providers=device.providers(tensorrt))
+            first = session(graphs)
         except Exception as err:  # onnxruntime raises its own exception types for graphs it cannot run
-            raise AssetError(f"onnxruntime cannot load the model's graph: {str(err).splitlines()[0][:300]}") from None
+            text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            if not graphs:
+                raise AssetError(f"onnxruntime cannot load the model's graph: {text}") from None
+            # e.g. "cannot use the CUDA Graph feature ... all the graph nodes have not been partitioned"
+            log.warning("architecture %s: no CUDA graphs for it (%s); plain runs", architecture.key, text)
+            graphs = False
+            first = session(graphs)   # NOTE: a graph that cannot load at all fails here as without graphs
         require_provider(first, device.name)
         weights = set(architecture.weights)
         self.io: ModelIO = classify_io(
             [(i.name, dims(i.shape)) for i in first.get_inputs() if i.name not in weights],
             [(o.name, dims(o.shape)) for o in first.get_outputs()], f"architecture {architecture.key}")
         self.shapes = BatchShapes(device.sizes(max_batch, self.io.batch))
-        self.sessions = {size: first if size == self.shapes.largest else
-                         ort.InferenceSession(architecture.graph, options, providers=device.providers(tensorrt))
-                         for size in self.shapes.sizes}
+        self.sessions = {size: first if size == self.shapes.largest else session(graphs) for size in self.shapes.sizes}
         # the avatar's crops become the visual input on the device (gpu_actor/preprocess.py): a crop is
         # 0.32 MB on the bus where its float input is 2.46 MB; a client's own visual input goes as it is
         from gpu_actor.preprocess import visual_graph   # NOTE: here: it imports onnx, which READY does not need
@@ -83,13 +93,19 @@ class Prepared:
         self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
         self._crop_bindings: dict[int, object] = {}
         self.users: weakref.WeakSet = weakref.WeakSet()   # its SharedRunners: in use while any lives
+        # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured); the
+        # model whose weights it holds now. Without: each model's own buffer is bound.
+        self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
+        self.slot_owner: Callable[[], Optional[Weights]] = lambda: None
+        self._slot_bindings: dict[int, object] = {}
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
 
-    def prepare(self, weights: list) -> None:
+    def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
         (and the largest grows the memory pool once for all), the second is the size's steady cost
-        (`call_s`). Buffers of its own: the main thread may be running other architectures meanwhile.
+        (`call_s`); with CUDA graphs, one more, which captures. No request runs this architecture yet, so
+        its buffers are free; the main thread may be running other architectures meanwhile.
         A size the device has no memory for is dropped (its batches run as calls at smaller sizes)."""
         device, dropped = self.device, []
         for size in sorted(self.shapes.sizes, reverse=True):
@@ -111,22 +127,51 @@ class Prepared:
                 del self.sessions[size]
             self.shapes = BatchShapes(tuple(self.sessions))
 
-    def _warm(self, size: int, weights: list) -> None:
+    def _warm(self, size: int, weights: Weights) -> None:
         device, session = self.device, self.sessions[size]
-        binding = session.io_binding()
-        for name, array in zip(self.architecture.weights, weights):
-            device.bind(binding, name, array)
-        # NOTE: a binding holds addresses, not the arrays: these names keep them alive through the runs
-        visual, audio = device.empty((size, *VISUAL_SHAPE)), device.empty((size, *self.io.audio_shape))
-        out = device.empty((size, *MOUTH_SHAPE))
-        device.bind(binding, self.io.visual, visual)
-        device.bind(binding, self.io.audio, audio)
-        device.bind(binding, self.io.output, out, output=True)
-        device.run(session, binding, size)
+        if self.slot is not None:   # the binding every call uses: captured at these addresses
+            self.load_slot(weights)
+            binding, buffers = self.slot_binding(size), ()
+        else:
+            binding = session.io_binding()
+            for name, array in zip(self.architecture.weights, weights.views):
+                device.bind(binding, name, array)
+            # NOTE: a binding holds addresses, not the arrays: `buffers` keeps them alive through the runs
+            buffers = (device.empty((size, *VISUAL_SHAPE)), device.empty((size, *self.io.audio_shape)),
+                       device.empty((size, *MOUTH_SHAPE)))
+            device.bind(binding, self.io.visual, buffers[0])
+            device.bind(binding, self.io.audio, buffers[1])
+            device.bind(binding, self.io.output, buffers[2], output=True)
+        for _ in range(GRAPH_WARM_RUNS if self.slot is not None else 1):
+            device.run(session, binding, size)
         t0 = time.perf_counter()
         device.run(session, binding, size)
         self.call_s[size] = time.perf_counter() - t0
+        del buffers
         device.run(self.crop_session, self.crop_binding(size), size)
+
+    def slot_binding(self, size: int):
+        """(CUDA graphs) the one binding at `size`: the weight slot and the staging buffers, made once."""
+        binding = self._slot_bindings.get(size)
+        if binding is None:
+            binding = self.sessions[size].io_binding()
+            self._bind(binding, self.slot, size)
+            self._slot_bindings[size] = binding
+        return binding
+
+    def load_slot(self, weights: Weights) -> None:
+        """(CUDA graphs) make the slot hold `weights`, unless it does."""
+        if self.slot_owner() is not weights:
+            self.slot.copy_from(weights)
+            self.slot_owner = weakref.ref(weights)
+
+    def _bind(self, binding, weights: Weights, size: int) -> None:
+        device = self.device
+        for name, array in zip(self.architecture.weights, weights.views):
+            device.bind(binding, name, array)
+        device.bind(binding, self.io.visual, self.visual[:size])
+        device.bind(binding, self.io.audio, self.audio[:size])
+        device.bind(binding, self.io.output, self.out[:size], output=True)
 
     def crop_binding(self, size: int):
         """The crops graph's binding at `size`: crops[:size] -> visual[:size], made once."""
@@ -147,10 +192,10 @@ class Prepared:
 class SharedRunner:
     """A model on a prepared architecture: `run` as gpu_actor/runner.ModelRunner's."""
 
-    def __init__(self, prepared: Prepared, weights: list, path: Path):
+    def __init__(self, prepared: Prepared, weights: Weights, path: Path):
         self.prepared, self.weights, self.path = prepared, weights, path
         self.io = prepared.io
-        self.nbytes = prepared.architecture.nbytes
+        self.nbytes = weights.nbytes
         self._bindings: dict[int, object] = {}
         prepared.users.add(self)
 
@@ -159,16 +204,14 @@ class SharedRunner:
         return self.prepared.frames_per_s()
 
     def _binding(self, size: int):
+        p = self.prepared
+        if p.slot is not None:
+            p.load_slot(self.weights)
+            return p.slot_binding(size)
         binding = self._bindings.get(size)
         if binding is None:
-            p, device = self.prepared, self.prepared.device
-            binding = p.sessions[size].io_binding()
-            for name, array in zip(p.architecture.weights, self.weights):
-                device.bind(binding, name, array)
-            device.bind(binding, self.io.visual, p.visual[:size])
-            device.bind(binding, self.io.audio, p.audio[:size])
-            device.bind(binding, self.io.output, p.out[:size], output=True)
-            self._bindings[size] = binding
+            binding = self._bindings[size] = p.sessions[size].io_binding()
+            p._bind(binding, self.weights, size)
         return binding
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
@@ -205,8 +248,9 @@ class SharedRunner:
 class Architectures:
     """A worker's prepared architectures, by key; `load` (the load thread) gives a model's runner."""
 
-    def __init__(self, device, max_batch: int, threads: int, tensorrt: bool, spin: bool, precision: str = "fp32"):
-        self.device, self.max_batch, self.precision = device, max_batch, precision
+    def __init__(self, device, max_batch: int, threads: int, tensorrt: bool, spin: bool, precision: str = "fp32",
+                 graphs: bool = False):
+        self.device, self.max_batch, self.precision, self.graphs = device, max_batch, precision, graphs
         self._options = (threads, tensorrt, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
@@ -219,8 +263,8 @@ class Architectures:
         if prepared is None:
             check_convolutions(split.architecture, path)
             architecture = self._fp16(path, split) if self.precision == "fp16" else split.architecture
-            prepared = Prepared(architecture, self.device, self.max_batch, *self._options)
-            weights = self.device.resident(architecture.weights_of(model or str(path), split))
+            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs)
+            weights = Weights(self.device, architecture, architecture.weights_of(model or str(path), split))
             prepared.prepare(weights)
             log.info("architecture %s (from %s) prepared at batch sizes %s: %.0f frames/s at best, %.1f MB a frame",
                      key, path, prepared.shapes.sizes, prepared.frames_per_s(), prepared.frame_bytes / 1e6)
@@ -228,7 +272,8 @@ class Architectures:
                 self._forget_idle()
                 self.prepared[key] = prepared
         else:
-            weights = self.device.resident(prepared.architecture.weights_of(model or str(path), split))
+            weights = Weights(self.device, prepared.architecture,
+                              prepared.architecture.weights_of(model or str(path), split))
         return SharedRunner(prepared, weights, path)
 
     def _fp16(self, path: Path, split: Split) -> Architecture:

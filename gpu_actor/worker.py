@@ -71,7 +71,8 @@ class InferenceWorker:
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
                                  self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
                                  batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device,
-                                 max_batch=config.limits.max_batch, precision=inf.precision)
+                                 max_batch=config.limits.max_batch, precision=inf.precision,
+                                 cuda_graphs=inf.cuda_graphs)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)

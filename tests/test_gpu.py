@@ -97,3 +97,24 @@ def test_the_crops_graph_on_the_card_builds_build_visuals_input_to_the_bit():
     session = ort.InferenceSession(visual_graph().SerializeToString(), providers=["CUDAExecutionProvider"])
     got = session.run(None, {session.get_inputs()[0].name: crops})[0]
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), float(np.abs(got - want).max())
+
+
+def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_path):
+    from gpu_actor.device import CudaDevice
+    from gpu_actor.runner import ModelRunner
+    from gpu_actor.shared import Architectures
+    paths = [write_model(tmp_path / f"unet{k}.onnx", kind="unet328", audio="ave", seed=k) for k in range(2)]
+    archs = Architectures(CudaDevice("cuda:0"), 4, 0, False, False, graphs=True)
+    runners = [archs.load(p) for p in paths]
+    print(f"\nCUDA graphs captured: {runners[0].prepared.slot is not None}")
+    rng = np.random.default_rng(5)
+    visual = rng.random((3, 6, 320, 320), dtype=np.float32)
+    audio = rng.standard_normal((3, 32, 16, 16)).astype(np.float32)
+    want = []
+    for path in paths:
+        want.append(np.empty((3, 3, 320, 320), np.float32))
+        ModelRunner(path, "cpu").run(visual, audio, want[-1])
+    for k in (0, 1, 1, 0, 1):
+        got = np.empty((3, 3, 320, 320), np.float32)
+        runners[k].run(visual, audio, got)
+        np.testing.assert_allclose(got, want[k], atol=2e-3)

@@ -20,6 +20,7 @@ from gpu_actor.runner import ModelRunner
 from gpu_actor.shapes import BatchShapes, Chunk, prepared_sizes
 from gpu_actor.shared import Architectures
 from gpu_actor.visual import VisualFrames, build_visual
+from gpu_actor.weights import ALIGN, layout
 
 
 # -- the batch-size table ------------------------------------------------------------------------------
@@ -167,5 +168,36 @@ def test_a_model_replaced_on_disk_and_unloaded_serves_its_new_weights(tmp_path):
     ModelRunner(path).run(*_inputs(2), want)
     assert not np.allclose(old, new)
     np.testing.assert_allclose(new, want, rtol=0, atol=1e-6)
-    assert reg.stat("m").nbytes == reg.loaded["m"].runner.nbytes == split_model(path).architecture.nbytes
+    weights = split_model(path).architecture
+    assert reg.stat("m").nbytes == reg.loaded["m"].runner.nbytes
+    assert weights.nbytes <= reg.stat("m").nbytes <= weights.nbytes + ALIGN * len(weights.weights)
     reg.close()
+
+
+def test_weights_lie_in_one_buffer_at_aligned_offsets():
+    offsets, total = layout(((3, 6, 1, 1), (3,), (5,)), (np.dtype(np.float32),) * 2 + (np.dtype(np.float16),))
+    assert offsets == [0, ALIGN, 2 * ALIGN] and total == 3 * ALIGN
+
+
+def test_with_cuda_graphs_models_that_alternate_each_get_their_own_weights_in_the_slot(tmp_path):
+    """inference.cuda_graphs: every call binds the architecture's one weight slot (a graph replays the
+    addresses it captured); a model's weights are copied in when another model ran last. Run on the
+    stand-in, which binds alike (onnxruntime's graphs themselves need a card: tests/test_gpu.py)."""
+    paths = [write_model(tmp_path / f"{k}.onnx", kind="tiny", seed=k) for k in range(3)]
+    archs = Architectures(StandInDevice(0.0), 4, 0, False, False, graphs=True)
+    runners = [archs.load(p) for p in paths]
+    prepared = runners[0].prepared
+    assert prepared.slot is not None
+    visual, audio = _inputs(3)
+    want = []
+    for path in paths:
+        want.append(np.empty((3, 3, 320, 320), np.float32))
+        ModelRunner(path).run(visual, audio, want[-1])
+    copies = 0
+    for k in (0, 1, 1, 2, 0, 2, 2, 1):
+        copies += prepared.slot_owner() is not runners[k].weights
+        got = np.empty((3, 3, 320, 320), np.float32)
+        runners[k].run(visual, audio, got)
+        np.testing.assert_allclose(got, want[k], rtol=0, atol=1e-6)
+        assert prepared.slot_owner() is runners[k].weights
+    assert copies == 5   # the first model's are in the slot since preparation; the same model twice copies nothing
