@@ -75,6 +75,27 @@ def copy(device_id: int, dst: cp.ndarray, src: cp.ndarray) -> None:
         cp.copyto(dst, src)
 
 
+def pin(device_id: int, host: np.ndarray) -> bool:
+    """Page-lock `host` (cudaHostRegister) so copies to and from it run at the bus's speed and need no
+    staging; False (logged) where CUDA refuses: copies then work as before, slower."""
+    try:
+        with cp.cuda.Device(device_id):
+            cp.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+        return True
+    except Exception as err:   # a locked-memory limit (ulimit -l, a container's), or an old driver
+        log.warning("cuda:%d: cannot pin %.0f MB of shared memory for the device (%s); copies go pageable",
+                    device_id, host.nbytes / 1e6, err)
+        return False
+
+
+def unpin(device_id: int, host: np.ndarray) -> None:
+    try:
+        with cp.cuda.Device(device_id):
+            cp.cuda.runtime.hostUnregister(host.ctypes.data)
+    except Exception as err:   # nothing to undo then
+        log.warning("cuda:%d: unpinning shared memory failed: %s", device_id, err)
+
+
 def download(device_id: int, src: cp.ndarray, dst: np.ndarray) -> None:
     """Device -> the destination shm slot, no host staging copy."""
     with cp.cuda.Device(device_id):

@@ -87,6 +87,12 @@ class CpuDevice:
         """Device to device."""
         dst[...] = src
 
+    def pin(self, host: np.ndarray) -> None:
+        """Page-lock host memory the device copies to and from (a worker's shared-memory slots)."""
+
+    def unpin_all(self) -> None:
+        """Undo every `pin` (before the memory is unmapped)."""
+
     def synchronize(self) -> None:
         pass
 
@@ -130,6 +136,7 @@ class CudaDevice:
 
     def __init__(self, device: str):
         self.name, self.device_id = device, cuda_id(device)
+        self._pinned: list[np.ndarray] = []
         try:
             from gpu_actor import cuda
         except ImportError:   # NOTE: runner.check_device, next, says what to install
@@ -173,6 +180,14 @@ class CudaDevice:
 
     def copy(self, dst, src) -> None:
         self._cuda.copy(self.device_id, dst, src)
+
+    def pin(self, host: np.ndarray) -> None:
+        if self._cuda.pin(self.device_id, host):
+            self._pinned.append(host)
+
+    def unpin_all(self) -> None:
+        while self._pinned:
+            self._cuda.unpin(self.device_id, self._pinned.pop())
 
     def synchronize(self) -> None:
         self._cuda.synchronize(self.device_id)

@@ -67,6 +67,8 @@ class InferenceWorker:
         # NOTE: a finished load wakes the loop from the load thread, or from this one when the load
         # failed before its callback was attached: the lock keeps the socket to one thread at a time.
         self._wake_lock = threading.Lock()
+        for ring in (self.inputs, self.outputs):   # copies to and from the slots at the bus's speed
+            device.pin(ring.data())
         self.registry = Registry(device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
                                  self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
@@ -107,6 +109,7 @@ class InferenceWorker:
 
     def close(self) -> None:
         self.registry.close()
+        self.registry.device.unpin_all()   # NOTE: before the rings unmap what it pinned
         for ring in (self.inputs, self.outputs):
             ring.close()
         self.store.close()

@@ -137,6 +137,11 @@ class SlotRing:
             raise RingError(f"shared-memory ring {spec.name} does not exist (is the supervisor running?)") from None
         return cls(spec, segment)
 
+    def data(self) -> np.ndarray:
+        """Every slot's bytes, [n_slots, slot_bytes] uint8: what a GPU worker pins for the device once.
+        NOTE: whoever registers it unregisters it before `close`, which unmaps it."""
+        return self._data
+
     def close(self, unlink: bool = False) -> None:
         self._gen = self._req = self._data = None  # drop views before the mapping
         self._segment.close()
