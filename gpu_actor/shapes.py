@@ -29,7 +29,7 @@ def prepared_sizes(max_batch: int, batched: bool = True, fixed: Optional[int] = 
 
 
 @dataclass(frozen=True)
-class Chunk:
+class Step:
     """Rows [start, end) of a batch, run in one call at `size` (>= end - start; the rest are padding)."""
 
     start: int
@@ -59,12 +59,12 @@ class BatchShapes:
             raise ValueError(f"a call holds 1 to {self.largest} frames, got {n}")
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def plan(self, n: int) -> list[Chunk]:
+    def plan(self, n: int) -> list[Step]:
         """Calls for a batch of n frames: full calls at the largest size, then the rest padded up."""
-        chunks, start = [], 0
+        steps, start = [], 0
         while n - start > self.largest:
-            chunks.append(Chunk(start, start + self.largest, self.largest))
+            steps.append(Step(start, start + self.largest, self.largest))
             start += self.largest
         if n > start:
-            chunks.append(Chunk(start, n, self.pad_to(n - start)))
-        return chunks
+            steps.append(Step(start, n, self.pad_to(n - start)))
+        return steps

@@ -225,24 +225,24 @@ class SharedRunner:
         crops = visual.crops if isinstance(visual, VisualFrames) else None
         frames = visual if callable(visual) else lambda start, end: visual[start:end]
         p, device = self.prepared, self.prepared.device
-        for chunk in p.shapes.plan(batch):
-            rows = chunk.end - chunk.start
+        for step in p.shapes.plan(batch):
+            rows = step.end - step.start
             if crops is not None:
                 # NOTE: zero crops make a zero visual input: padded rows stay harmless zeros
-                host = p.crops_host[:chunk.size]
-                np.stack(crops[chunk.start:chunk.end], out=host[:rows])
+                host = p.crops_host[:step.size]
+                np.stack(crops[step.start:step.end], out=host[:rows])
                 host[rows:] = 0
-                device.upload(p.crops[:chunk.size], host)
-                device.run(p.crop_session, p.crop_binding(chunk.size), chunk.size)
+                device.upload(p.crops[:step.size], host)
+                device.run(p.crop_session, p.crop_binding(step.size), step.size)
             else:
-                device.upload(p.visual[:rows], frames(chunk.start, chunk.end))
-                if chunk.padding:   # NOTE: padded rows are zeros, whatever the last call left there
-                    device.zero(p.visual[rows:chunk.size])
-            device.upload(p.audio[:rows], audio[chunk.start:chunk.end])
-            if chunk.padding:
-                device.zero(p.audio[rows:chunk.size])
-            device.run(p.sessions[chunk.size], self._binding(chunk.size), chunk.size)
-            device.download(p.out[:rows], out[chunk.start:chunk.end])
+                device.upload(p.visual[:rows], frames(step.start, step.end))
+                if step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
+                    device.zero(p.visual[rows:step.size])
+            device.upload(p.audio[:rows], audio[step.start:step.end])
+            if step.padding:
+                device.zero(p.audio[rows:step.size])
+            device.run(p.sessions[step.size], self._binding(step.size), step.size)
+            device.download(p.out[:rows], out[step.start:step.end])
 
 
 class Architectures:

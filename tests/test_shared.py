@@ -17,7 +17,7 @@ from gpu_actor.graphs import split_model
 from gpu_actor.model_builder import build_model, write_model
 from gpu_actor.registry import Registry
 from gpu_actor.runner import ModelRunner
-from gpu_actor.shapes import BatchShapes, Chunk, prepared_sizes
+from gpu_actor.shapes import BatchShapes, Step, prepared_sizes
 from gpu_actor.shared import Architectures
 from gpu_actor.visual import VisualFrames, build_visual
 from gpu_actor.weights import ALIGN, layout
@@ -41,8 +41,8 @@ def test_a_batch_of_any_size_runs_at_prepared_sizes_padded_at_most_2x():
             assert chunks[0].start == 0 and chunks[-1].end == n
             assert all(a.end == b.start for a, b in zip(chunks, chunks[1:]))
             assert all(c.size in shapes.sizes and c.end - c.start <= c.size < 2 * (c.end - c.start) for c in chunks)
-    assert BatchShapes((1, 2, 4, 8)).plan(11) == [Chunk(0, 8, 8), Chunk(8, 11, 4)]
-    assert BatchShapes((2,)).plan(3) == [Chunk(0, 2, 2), Chunk(2, 3, 2)]
+    assert BatchShapes((1, 2, 4, 8)).plan(11) == [Step(0, 8, 8), Step(8, 11, 4)]
+    assert BatchShapes((2,)).plan(3) == [Step(0, 2, 2), Step(2, 3, 2)]
     with pytest.raises(ValueError):
         BatchShapes((1, 2)).pad_to(3)
 
