@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -87,6 +88,10 @@ class CpuDevice:
         """Device to device."""
         dst[...] = src
 
+    def account(self, owner: object, nbytes: int) -> None:
+        """`owner` (a model's weights) holds `nbytes` of the device until it is freed: where the device
+        has no room, MemoryError (a GPU's own allocator says so by itself)."""
+
     def pin(self, host: np.ndarray) -> None:
         """Page-lock host memory the device copies to and from (a worker's shared-memory slots)."""
 
@@ -113,11 +118,24 @@ class StandInDevice(CpuDevice):
     shared_weights = True
     batched = True
 
-    def __init__(self, stall_s: float):
+    def __init__(self, stall_s: float, memory_bytes: int = 0):
         self.stall_s = stall_s
+        self.memory_bytes, self.weight_bytes = memory_bytes, 0   # a card's size for weights; 0: no limit
         self.stalls = 0                     # first calls that stalled: tests read it
         self._seen: set[tuple[int, int]] = set()
         self._lock = threading.Lock()       # the load thread prepares while the main thread runs
+
+    def account(self, owner: object, nbytes: int) -> None:
+        with self._lock:
+            if self.memory_bytes and self.weight_bytes + nbytes > self.memory_bytes:
+                raise MemoryError(f"stand-in device: out of memory ({self.weight_bytes} of {self.memory_bytes} bytes "
+                                  f"of weights held, {nbytes} more asked)")
+            self.weight_bytes += nbytes
+        weakref.finalize(owner, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.weight_bytes -= nbytes
 
     def run(self, session: ort.InferenceSession, binding, size: int) -> None:
         key = (id(session), size)

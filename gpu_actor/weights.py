@@ -32,6 +32,7 @@ class Weights:
     def __init__(self, device, architecture, arrays: list[np.ndarray] | None = None):
         offsets, total = layout(architecture.shapes, architecture.dtypes)
         self.device, self.nbytes = device, total
+        device.account(self, total)
         self.flat: Any = device.empty((total,), np.uint8)
         self.views: list = [self.flat[o:o + int(np.prod(s)) * np.dtype(d).itemsize].view(d).reshape(s)
                             for o, s, d in zip(offsets, architecture.shapes, architecture.dtypes)]

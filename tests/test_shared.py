@@ -201,3 +201,35 @@ def test_with_cuda_graphs_models_that_alternate_each_get_their_own_weights_in_th
         np.testing.assert_allclose(got, want[k], rtol=0, atol=1e-6)
         assert prepared.slot_owner() is runners[k].weights
     assert copies == 5   # the first model's are in the slot since preparation; the same model twice copies nothing
+
+
+def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_a_held_one(tmp_path):
+    paths = {m: write_model(tmp_path / f"{m}.onnx", kind="tiny", seed=k) for k, m in enumerate("abcd")}
+    weights = Architectures(StandInDevice(0.0), 2, 0, False, False).load(paths["a"]).nbytes
+    device = StandInDevice(0.0, memory_bytes=2 * weights)   # a card with room for two models' weights
+    events: list = []
+    reg = Registry(device, 8, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]), lambda: None,
+                   max_batch=2)
+
+    def load(model: str):
+        reg.start_load(model)
+        while model in reg.loading:   # (a retry after an eviction is a new future)
+            reg.loading[model].result(60)
+            results = reg.poll_loads()
+        return results[-1]
+
+    assert load("a").error is None and load("b").error is None
+    reg.pins["a"] += 1                          # a live session holds a
+    assert load("c").error is None              # b, idle, made room
+    assert ("b", "evicted") in events and set(reg.loaded) == {"a", "c"}
+    reg.pins["c"] += 1
+    failed = load("d")                          # nothing idle: that load fails, the held ones stay
+    assert failed.runner is None and failed.code == "overloaded" and "no memory" in failed.error, failed
+    assert set(reg.loaded) == {"a", "c"}
+    for model in ("a", "c"):
+        out = np.empty((1, 3, 320, 320), np.float32)
+        reg.loaded[model].runner.run(*_inputs(1), out)
+        want = np.empty((1, 3, 320, 320), np.float32)
+        ModelRunner(paths[model]).run(*_inputs(1), want)
+        np.testing.assert_allclose(out, want, rtol=0, atol=1e-6)
+    reg.close()
