@@ -2,6 +2,8 @@
 
 - the anchor: onnxruntime alone on the real-size unet_328 (random weights), its inputs and outputs
   already on the device, at each prepared shape (the batch sizes a worker runs: `prepared_sizes`);
+- a model's own session against its architecture's shared session (weights bound per call): ready
+  time, memory against the weight bytes, ms per frame at batch 1 and the largest prepared size;
 - on a fresh server, each batch size's first `infer` after ready against its steady time, and calls
   alternating between shapes;
 - served `infer` per batch (visual input sent, 2 in flight) and its ratio to the anchor at that batch,
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bench.gpu_device import anchor, cuda_index, device_name, pick_device, print_anchor
+from bench.gpu_device import anchor, cuda_index, device_name, own_vs_shared, pick_device, print_anchor, \
+    print_own_vs_shared
 from bench.gpu_server import first_calls, first_frames, live, load_while_speaking, residency, served
 
 STAND_IN_ENV = "LIPSYNC_STAND_IN_STALL_S"
@@ -161,7 +164,7 @@ def run(demo_dir: str, o: GpuBenchOptions) -> dict:
         models = root / "models"
         models.mkdir()
         avatar(models, "avatar", demo, _written(o.model, 0))
-        _in_process(results, models / "avatar" / "model.onnx", o, sizes)
+        _in_process(results, root, models / "avatar" / "model.onnx", o, sizes)
         a = results["anchor"] if "error" not in results["anchor"] else None
         _served_sections(results, root, models, o, env, a, sizes, batches)
         _model_sections(results, root, models, demo, o, env)
@@ -170,15 +173,28 @@ def run(demo_dir: str, o: GpuBenchOptions) -> dict:
     return results
 
 
-def _in_process(results: dict, model: Path, o: GpuBenchOptions, sizes: tuple[int, ...]) -> None:
-    """The anchor, in the bench's process."""
+def _in_process(results: dict, root: Path, model: Path, o: GpuBenchOptions, sizes: tuple[int, ...]) -> None:
+    """The anchor, and the model's own session against the shared one, in the bench's process."""
     def anchored() -> dict:
         figures = anchor(model, o.device, sizes, o.seconds)
         print_anchor(figures)
         return figures
 
+    def compared() -> dict:
+        further = root / "further.onnx"   # (outside models/: the catalog never sees it)
+        _written(o.model, 1)(further)
+        figures = own_vs_shared(model, further, o.device, o.max_batch, o.seconds)
+        print_own_vs_shared(figures, reference=o.device == "cpu" and o.model == "unet328")
+        return figures
+
     _section(results, "anchor", f"onnxruntime alone, inputs and outputs on the device ({o.device}), per prepared "
              f"shape ({o.seconds:g} s each, the median call):", anchored)
+    _section(results, "own_vs_shared", f"a model's own session vs its architecture's shared session (weights bound "
+             f"per call), the {o.model} model on {o.device}"
+             + (" (the shared one as on the stand-in device)" if o.device == "cpu" else
+                " (both with inputs on the device: no host copies)")
+             + f": ready time and memory against the weight bytes, a further model's, then ms per frame in "
+             f"interleaved rounds ({o.seconds:g} s per batch):", compared)
 
 
 def _served_sections(results: dict, root: Path, models: Path, o: GpuBenchOptions, env: Optional[dict],

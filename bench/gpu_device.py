@@ -1,5 +1,6 @@
-"""bench gpu, what runs in the bench's own process: the device's name and memory, and the anchor
-(onnxruntime alone, inputs and outputs on the device)."""
+"""bench gpu, what runs in the bench's own process: the device's name and memory, the anchor (onnxruntime
+alone, inputs and outputs on the device) and a model's own session against its architecture's shared
+session (weights bound per call)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import psutil
+
+OWN_VS_SHARED_MIN_ROUNDS = 3
 
 
 # -- the device --------------------------------------------------------------------------------------
@@ -98,35 +102,48 @@ def calls_for(batch: int, sizes: tuple[int, ...]) -> list[int]:
 
 # -- the anchor --------------------------------------------------------------------------------------
 
-def anchor(model: Path, device: str, sizes: tuple[int, ...], seconds: float) -> dict:
-    """onnxruntime alone, the session made as a worker makes it, its inputs and output bound where they
-    live (OrtValues on the device): a call is the model's work and nothing else."""
-    import onnxruntime as ort
-
+def _io(session, model: Path):
     from config.assets import classify_io
+    return classify_io([(i.name, list(i.shape)) for i in session.get_inputs()],
+                       [(o.name, list(o.shape)) for o in session.get_outputs()], str(model))
+
+
+def _resident_call(session, io, device: str, batch: int, rng: np.random.Generator) -> Callable[[], None]:
+    """One call of `session` at `batch`, its inputs and output bound where they live (OrtValues on the
+    device): the model's work and nothing else."""
+    import onnxruntime as ort
+    where, index = ("cpu", 0) if device == "cpu" else ("cuda", cuda_index(device))
+    visual = ort.OrtValue.ortvalue_from_numpy(rng.random((batch, 6, 320, 320), dtype=np.float32), where, index)
+    audio = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, *io.audio_shape)).astype(np.float32),
+                                             where, index)
+    mouths = ort.OrtValue.ortvalue_from_shape_and_type([batch, 3, 320, 320], np.float32, where, index)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input(io.visual, visual)
+    binding.bind_ortvalue_input(io.audio, audio)
+    binding.bind_ortvalue_output(io.output, mouths)
+
+    def call() -> None:
+        # NOTE: the CUDA provider synchronizes its stream at the end of a run: the wall time is the GPU's
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        _ = (visual, audio, mouths)   # a binding holds addresses, not the values: the closure keeps them
+    return call
+
+
+def anchor(model: Path, device: str, sizes: tuple[int, ...], seconds: float) -> dict:
+    """onnxruntime alone, the session made as a worker makes it, at each of `sizes`."""
     from gpu_actor.runner import make_session
     session = make_session(model, device, threads=0)
-    io = classify_io([(i.name, list(i.shape)) for i in session.get_inputs()],
-                     [(o.name, list(o.shape)) for o in session.get_outputs()], str(model))
-    where, index = ("cpu", 0) if device == "cpu" else ("cuda", cuda_index(device))
+    io = _io(session, model)
     rng = np.random.default_rng(0)
     out = {}
     for b in sizes:
-        visual = ort.OrtValue.ortvalue_from_numpy(rng.random((b, 6, 320, 320), dtype=np.float32), where, index)
-        audio = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((b, *io.audio_shape)).astype(np.float32),
-                                                 where, index)
-        mouths = ort.OrtValue.ortvalue_from_shape_and_type([b, 3, 320, 320], np.float32, where, index)
-        binding = session.io_binding()
-        binding.bind_ortvalue_input(io.visual, visual)
-        binding.bind_ortvalue_input(io.audio, audio)
-        binding.bind_ortvalue_output(io.output, mouths)
+        call = _resident_call(session, io, device, b, rng)
         times = []
         stop = time.perf_counter() + seconds
         while len(times) < 4 or (time.perf_counter() < stop and len(times) < 2000):
             t = time.perf_counter()
-            # NOTE: the CUDA provider synchronizes its stream at the end of a run: the wall time is the GPU's
-            session.run_with_iobinding(binding)
-            binding.synchronize_outputs()
+            call()
             times.append((time.perf_counter() - t) * 1000)
         ms = statistics.median(times[1:])
         out[b] = {"first_ms": times[0], "ms": ms, "fps": b / ms * 1000, "calls": len(times)}
@@ -143,3 +160,140 @@ def anchor_fps(batch: int, sizes: tuple[int, ...], a: dict) -> float:
     """Frames/s of the anchor for `batch` frames run as the worker runs them (calls_for)."""
     return batch / sum(a[s]["ms"] for s in calls_for(batch, sizes)) * 1000
 
+
+# -- a model's own session against its architecture's shared session -------------------------------
+
+# NOTE: gpu_actor/device.py's CpuDevice keeps a session per model on this figure: a real-size unet_328
+# frame in 47.0 ms in its own session against 80.4 ms with its weights as inputs (a 2-core x86 host)
+CPU_OWN_MS, CPU_SHARED_MS = 47.0, 80.4
+
+
+def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, seconds: float) -> dict:
+    """`model` in a session of its own and in its architecture's shared session (weights bound per call)
+    on one device: each one's time to be ready and the memory it took, then a further model's (`further`,
+    other weights); then ms per frame at batch 1 and at the largest prepared size (on the CPU 1 only),
+    in interleaved rounds of one call each, for `seconds` per batch.
+
+    On the CPU the own session is a worker's (gpu_actor/runner.ModelRunner, its warm-up included) and
+    the shared one the stand-in device's (gpu_actor/shared.SharedRunner on the CPU provider), each run as
+    a worker runs it. On a GPU the own session is the anchor's, its inputs on the device, and the shared
+    call is the prepared session run on its staging buffers with the model's weights bound: neither pays
+    the host copies a worker adds (served infer has them)."""
+    import onnx   # noqa: F401  NOTE: imported before memory is measured: the shared load needs them
+    import gpu_actor.preprocess  # noqa: F401
+    from gpu_actor.device import CudaDevice, StandInDevice
+    from gpu_actor.shared import Architectures
+    gpu = device != "cpu"
+    dev = CudaDevice(device) if gpu else StandInDevice(0.0)
+    sizes = dev.sizes(max_batch if gpu else 1)
+    batches = tuple(dict.fromkeys((1, max(sizes))))
+    rng = np.random.default_rng(0)
+    architectures = Architectures(dev, max(sizes), 0, False, False)
+    own = _own_calls_gpu if gpu else _own_calls_cpu
+
+    def ready(make: Callable[[], object]) -> tuple[object, dict]:
+        before, t = dev.memory_used(), time.perf_counter()
+        made = make()
+        return made, {"ms": (time.perf_counter() - t) * 1000, "mib": (dev.memory_used() - before) / 2 ** 20}
+
+    own_calls, own_ready = ready(lambda: own(model, device, batches, rng))
+    shared, shared_ready = ready(lambda: architectures.load(model))
+    further_own, own_further = ready(lambda: own(further, device, batches, rng))
+    further_shared, shared_further = ready(lambda: architectures.load(further))
+    del further_own, further_shared
+    shared_calls = _shared_calls(shared, dev, batches, rng)
+    out = {"weights_mib": shared.prepared.architecture.nbytes / 2 ** 20, "memory": "device" if gpu else "RSS",
+           "own": {"ready": own_ready, "further": own_further},
+           "shared": {"ready": shared_ready, "further": shared_further}, "batches": {}}
+    for b in batches:
+        out["batches"][b] = _rounds(own_calls[b], shared_calls[b], b, seconds)
+    return out
+
+
+def _own_calls_cpu(model: Path, device: str, batches: tuple[int, ...], rng) -> dict:
+    """A worker's session of the model's own on the CPU provider, loaded as a worker loads it."""
+    from gpu_actor.runner import ModelRunner
+    runner = ModelRunner(model, "cpu", threads=0)
+    runner.warm_up()
+    calls = {}
+    for b in batches:
+        visual = rng.random((b, 6, 320, 320), dtype=np.float32)
+        audio = rng.standard_normal((b, *runner.io.audio_shape)).astype(np.float32)
+        mouths = np.empty((b, 3, 320, 320), np.float32)
+        calls[b] = lambda v=visual, a=audio, m=mouths: runner.run(v, a, m)
+    return calls
+
+
+def _own_calls_gpu(model: Path, device: str, batches: tuple[int, ...], rng) -> dict:
+    """The anchor's session, ready when it has run once at each batch (cuDNN's plans for its shapes)."""
+    from gpu_actor.runner import make_session
+    session = make_session(model, device, threads=0)
+    io = _io(session, model)
+    calls = {b: _resident_call(session, io, device, b, rng) for b in batches}
+    for call in calls.values():
+        call()
+    return calls
+
+
+def _shared_calls(runner, dev, batches: tuple[int, ...], rng) -> dict:
+    """The CPU: SharedRunner.run as a worker calls it. A GPU: the prepared session at each batch with the
+    model's weights and the staging buffers (random inputs uploaded once) bound, as the runner binds them."""
+    if dev.name == "cpu":
+        calls = {}
+        for b in batches:
+            visual = rng.random((b, 6, 320, 320), dtype=np.float32)
+            audio = rng.standard_normal((b, *runner.io.audio_shape)).astype(np.float32)
+            mouths = np.empty((b, 3, 320, 320), np.float32)
+            calls[b] = lambda v=visual, a=audio, m=mouths: runner.run(v, a, m)
+        return calls
+    p, calls = runner.prepared, {}
+    for b in batches:
+        binding = p.sessions[b].io_binding()
+        for name, view in zip(p.architecture.weights, runner.weights.views):
+            dev.bind(binding, name, view)
+        dev.upload(p.visual[:b], rng.random((b, 6, 320, 320), dtype=np.float32))
+        dev.upload(p.audio[:b], rng.standard_normal((b, *p.io.audio_shape)).astype(np.float32))
+        dev.bind(binding, p.io.visual, p.visual[:b])
+        dev.bind(binding, p.io.audio, p.audio[:b])
+        dev.bind(binding, p.io.output, p.out[:b], output=True)
+        calls[b] = lambda s=p.sessions[b], bd=binding, n=b: dev.run(s, bd, n)
+    return calls
+
+
+def _rounds(own: Callable[[], None], shared: Callable[[], None], batch: int, seconds: float) -> dict:
+    """Rounds of one call each, which goes first alternating; ms per frame, each one's median."""
+    own(), shared()   # NOTE: not a round's: after the other batch's calls a session meets this shape again
+    times: dict[str, list[float]] = {"own": [], "shared": []}
+    order = [("own", own), ("shared", shared)]
+    stop = time.perf_counter() + seconds
+    while len(times["own"]) < OWN_VS_SHARED_MIN_ROUNDS or (time.perf_counter() < stop and len(times["own"]) < 1000):
+        for name, call in order:
+            t = time.perf_counter()
+            call()
+            times[name].append((time.perf_counter() - t) * 1000 / batch)
+        order.reverse()
+    own_ms, shared_ms = statistics.median(times["own"]), statistics.median(times["shared"])
+    return {"own_ms_per_frame": own_ms, "shared_ms_per_frame": shared_ms, "ratio": shared_ms / own_ms,
+            "rounds": len(times["own"])}
+
+
+def print_own_vs_shared(r: dict, reference: bool) -> None:
+    """`reference`: the CPU figures the design rests on (CPU_OWN_MS, CPU_SHARED_MS) are this run's kind."""
+    mem = r["memory"]
+    weights = r["weights_mib"]
+    print("  the model's weights: " + (f"{weights:.1f} MiB" if weights >= 1 else f"{weights * 1024:.1f} KiB"))
+    print(f"  {'':14} {'ready ms':>9} {'MiB (' + mem + ')':>13} {'a further model ms':>19} {'MiB (' + mem + ')':>13}")
+    for name, label in (("own", "own session"), ("shared", "shared session")):
+        ready, further = r[name]["ready"], r[name]["further"]
+        print(f"  {label:14} {ready['ms']:9.0f} {ready['mib']:13.1f} {further['ms']:19.0f} {further['mib']:13.1f}")
+    print(f"  {'batch':>5} {'own ms/frame':>13} {'shared ms/frame':>16} {'shared/own':>11} {'rounds':>7}")
+    for b, v in r["batches"].items():
+        print(f"  {b:5d} {v['own_ms_per_frame']:13.2f} {v['shared_ms_per_frame']:16.2f} {v['ratio']:11.2f} "
+              f"{v['rounds']:7d}")
+    if reference:
+        v = r["batches"][1]
+        print(f"  the CPU provider keeps a session per model (gpu_actor/device.py) on {CPU_OWN_MS} ms a frame in its "
+              f"own session against {CPU_SHARED_MS} ms with its weights as inputs ({CPU_SHARED_MS / CPU_OWN_MS:.2f}x, "
+              f"a 2-core x86 host); this run: {v['own_ms_per_frame']:.1f} against {v['shared_ms_per_frame']:.1f} ms "
+              f"({v['ratio']:.2f}x)")
+    sys.stdout.flush()

@@ -11,7 +11,8 @@ import pytest
 
 from tests.helpers import ROOT
 
-SECTIONS = ("onnxruntime alone, inputs and outputs on the device", "first call per shape after ready",
+SECTIONS = ("onnxruntime alone, inputs and outputs on the device",
+            "a model's own session vs its architecture's shared session", "first call per shape after ready",
             "calls alternating between shapes", "served infer per batch", "live sessions on the tiny model",
             "model load -> first frame", "a load while 1 sessions speak", "models resident on the device")
 
@@ -30,5 +31,9 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     # the stand-in batches as a GPU does: every batch size up to limits.max_batch (4) had its first call timed
     assert sorted(figures["first_call"]["batches"]) == ["1", "2", "3", "4"]
     assert figures["served"]["4"]["ratio"] > 0
+    # on the CPU both sessions are compared at one frame a call, a further model loaded beside each
+    assert list(figures["own_vs_shared"]["batches"]) == ["1"]
+    assert figures["own_vs_shared"]["batches"]["1"]["ratio"] > 0
+    assert figures["own_vs_shared"]["shared"]["further"]["ms"] > 0
     assert figures["first_frame"][0]["first_frame_ms"] > 0
     assert figures["residency"]["loaded"] == 2
