@@ -20,6 +20,10 @@ def _counts(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def _device(text: str) -> str:
     if text in ("auto", "cpu") or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
@@ -74,7 +78,21 @@ def main() -> int:
     gpu.add_argument("--stand-in", type=float, metavar="S",
                      help="CPU workers batch as on a GPU and stall S seconds on each shape's first call "
                           "(LIPSYNC_STAND_IN_STALL_S), so a CPU host shows the GPU path's first-call figures")
+    gpu.add_argument("--variants", type=_names, metavar="LIST",
+                     help="served infer once per variant, each on a server of its own, against the fp32 anchor: a "
+                          "comma list of fp32, fp16, fp32+graphs, fp16+graphs (inference.precision, "
+                          "inference.cuda_graphs); the other sections run the first (default all four on a GPU, "
+                          "fp32 on the CPU, fp32,fp16 with --stand-in)")
     args = parser.parse_args()
+    gpu_settings = None
+    if args.what == "gpu":   # NOTE: before the demo's build: a variant the device does not run is refused at once
+        from bench import gpu
+        try:
+            gpu_settings = gpu.options(args.device, args.model, args.max_batch, args.levels, args.seconds,
+                                       args.speaking, args.max_models, args.avatars, args.residency_s, args.stand_in,
+                                       args.budget_ms, variants=args.variants)
+        except ValueError as err:
+            parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)
     from shm.child import tune_malloc
     from supervisor.demo import build_demo
@@ -133,9 +151,7 @@ def main() -> int:
         results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
     if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
         from bench import gpu
-        results["gpu"] = gpu.run(models_dir, gpu.options(
-            args.device, args.model, args.max_batch, args.levels, args.seconds, args.speaking, args.max_models,
-            args.avatars, args.residency_s, args.stand_in, args.budget_ms))
+        results["gpu"] = gpu.run(models_dir, gpu_settings)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

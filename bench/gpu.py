@@ -7,10 +7,13 @@
 - on a fresh server, each batch size's first `infer` after ready against its steady time, and calls
   alternating between shapes;
 - served `infer` per batch (visual input sent, 2 in flight) and its ratio to the anchor at that batch,
-  with the inference process's CPU per 1,000 frames/s;
+  with the inference process's CPU per 1,000 frames/s: once per variant (`--variants`: fp32, fp16,
+  fp32+graphs, fp16+graphs, i.e. inference.precision and inference.cuda_graphs), each on a server of
+  its own, then all of them against the fp32 anchor in one table;
 - live JPEG levels on that model, 27 % speaking (bench/sessions.py's levels);
 - distinct models: `session_open` -> the first speech frame and device MiB per model; one model's load
   while sessions speak (their speech missed during it); how many models stay resident on the device.
+Every section but served `infer` runs the first variant.
 
 Where onnxruntime has no CUDA provider or cupy sees no GPU it runs the same on the CPU provider with
 small counts, so CI keeps it working. `--stand-in S` has CPU workers batch as the GPU path does and
@@ -36,6 +39,7 @@ from bench.gpu_server import first_calls, first_frames, live, load_while_speakin
 
 STAND_IN_ENV = "LIPSYNC_STAND_IN_STALL_S"
 DISTINCT_WEIGHTS = 8              # residency: model files of distinct weights, the ids beyond hard-linked
+VARIANTS = ("fp32", "fp16", "fp32+graphs", "fp16+graphs")
 
 
 @dataclass(frozen=True)
@@ -52,23 +56,50 @@ class GpuBenchOptions:
     stand_in: Optional[float]
     budget_ms: int = 280
     steady_calls: int = 10
+    variants: tuple[str, ...] = ("fp32",)   # served infer's, each on a server of its own; the first: every section's
 
 
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,
             levels: Optional[tuple[int, ...]] = None, seconds: float = 8.0, speaking: Optional[int] = None,
             max_models: Optional[int] = None, avatars: Optional[int] = None, residency_s: Optional[float] = None,
-            stand_in: Optional[float] = None, budget_ms: int = 280) -> GpuBenchOptions:
+            stand_in: Optional[float] = None, budget_ms: int = 280,
+            variants: Optional[tuple[str, ...]] = None) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
-    seconds' worth on the CPU provider."""
+    seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
     gpu = device != "cpu"
 
     def pick(value, on_gpu, on_cpu):
         return value if value is not None else (on_gpu if gpu else on_cpu)
 
+    variants = pick(variants, VARIANTS, ("fp32", "fp16") if stand_in is not None else ("fp32",))
+    check_variants(variants, gpu or stand_in is not None)
     return GpuBenchOptions(device, model, pick(max_batch, 32, 4), pick(levels, (16, 48, 96, 150, 200), (1, 2)),
                            seconds, pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2),
-                           pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3)
+                           pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3,
+                           variants=tuple(dict.fromkeys(variants)))
+
+
+def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
+    """Names among VARIANTS; fp16 and CUDA graphs only where workers run the GPU path (a GPU, --stand-in)."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"--variants {','.join(variants)!r}: expected a comma list of {', '.join(VARIANTS)}")
+    gpu_path_only = [v for v in variants if v != "fp32"]
+    if gpu_path_only and not gpu_path:
+        raise ValueError(f"--variants {','.join(gpu_path_only)}: the CPU provider's workers run fp32 in sessions of "
+                         "their own (no fp16, no CUDA graphs); use --stand-in S to run the GPU path on the CPU")
+
+
+def variant_settings(variant: str) -> dict:
+    precision, _, graphs = variant.partition("+")
+    return {"inference.precision": precision, "inference.cuda_graphs": graphs == "graphs"}
+
+
+def _described(variant: str) -> str:
+    s = variant_settings(variant)
+    graphs = "true" if s["inference.cuda_graphs"] else "false"
+    return f"inference.precision {s['inference.precision']}, inference.cuda_graphs {graphs}"
 
 
 # -- shapes ------------------------------------------------------------------------------------------
@@ -135,14 +166,44 @@ def _server_sections(results: dict, root: Path, cfg: dict, env: Optional[dict],
                 results[name] = {"error": f"server: {type(err).__name__}: {err}"}
 
 
-def _config(models: Path, o: GpuBenchOptions, metrics_port: int) -> dict:
+def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -> dict:
     from bench.sessions import _settings
     from tests.helpers import base_config
     return base_config(models, **{
         **_settings("jpeg", o.budget_ms), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
         "inference.devices": "cpu" if o.device == "cpu" else [cuda_index(o.device)],
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
-        "metrics.port": metrics_port})
+        "metrics.port": metrics_port, **variant_settings(variant)})
+
+
+def _served_name(variant: str, first: str) -> str:
+    return "served" if variant == first else f"served_{variant}"
+
+
+def _served_heading(variant: str, seconds: float, own_server: bool) -> str:
+    return (f"served infer per batch, {variant} ({_described(variant)}"
+            + ("; a server of its own" if own_server else "")
+            + f"; visual input sent, 2 in flight, {seconds:g} s each) vs the fp32 anchor at that batch; the inference "
+            "process's CPU (% of a core) per 1,000 frames/s:")
+
+
+def variants_table(results: dict, variants: tuple[str, ...], batches: tuple[int, ...]) -> dict:
+    """Each variant's served infer against the fp32 anchor, one row a variant: at each batch the ratio of
+    its frames/s to the anchor's and the inference process's CPU per 1,000 frames/s."""
+    first, out = variants[0], {}
+    print(f"  {'variant':12}" + "".join(f"{'batch ' + str(b):>16}" for b in batches))
+    for v in variants:
+        r = results.get(_served_name(v, first), {})
+        if "error" in r:
+            out[v] = {"error": r["error"]}
+            print(f"  {v:12}  failed: {r['error']}", flush=True)
+            continue
+        out[v] = {b: {"fps": r[b]["fps"], "ratio": r[b]["ratio"],
+                      "worker_cpu_per_1000_fps": r[b]["worker_cpu_per_1000_fps"]} for b in batches}
+        cells = [(f"{row['ratio']:.2f}x" if row["ratio"] else "n/a") + f" {row['worker_cpu_per_1000_fps']:5.0f}%"
+                 for row in out[v].values()]
+        print(f"  {v:12}" + "".join(f"{c:>16}" for c in cells), flush=True)
+    return out
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -154,12 +215,14 @@ def run(demo_dir: str, o: GpuBenchOptions) -> dict:
     # the shapes the worker runs (with the stand-in, the GPU path's, on the CPU provider): the anchor's too
     sizes = prepared_sizes(o.max_batch, "cuda:0" if env else o.device)
     batches = served_batches(sizes, o.max_batch)
+    first = o.variants[0]
     results: dict = {"device": o.device, "device_name": device_name(o.device), "model": o.model,
-                     "prepared_sizes": sizes, "stand_in_s": o.stand_in}
+                     "prepared_sizes": sizes, "stand_in_s": o.stand_in, "variants_run": o.variants}
     print(f"device {results['device_name']}; model {o.model} (random weights); limits.max_batch {o.max_batch}, "
           f"prepared shapes {', '.join(map(str, sizes))}"
           + (f"; stand-in device: CPU workers batch as on a GPU and stall {o.stand_in:g} s on each shape's first "
-             f"call ({STAND_IN_ENV})" if env else ""), flush=True)
+             f"call ({STAND_IN_ENV})" if env else "")
+          + f"; variants {', '.join(o.variants)} (served infer runs each; the other sections {first})", flush=True)
     try:
         models = root / "models"
         models.mkdir()
@@ -199,24 +262,32 @@ def _in_process(results: dict, root: Path, model: Path, o: GpuBenchOptions, size
 
 def _served_sections(results: dict, root: Path, models: Path, o: GpuBenchOptions, env: Optional[dict],
                      a: Optional[dict], sizes: tuple[int, ...], batches: tuple[int, ...]) -> None:
-    """One server: first calls, then served infer."""
+    """The first variant's server: first calls and served infer; each further variant's: served infer;
+    then every variant against the anchor."""
     from tests.helpers import free_port
-    _server_sections(results, root, _config(models, o, free_port()), env, [
+    first = o.variants[0]
+    _server_sections(results, root, _config(models, o, free_port(), first), env, [
         ("first_call", f"first call per shape after ready (a fresh server, the model loaded, then one infer at "
          f"each batch; steady: the median of {o.steady_calls}):",
          lambda srv: first_calls(srv, "avatar", batches, o.steady_calls)),
-        ("served", f"served infer per batch (visual input sent, 2 in flight, {o.seconds:g} s each) vs the anchor "
-         "at that batch; the inference process's CPU (% of a core) per 1,000 frames/s:",
+        ("served", _served_heading(first, o.seconds, own_server=False),
          lambda srv: served(srv, "avatar", batches, sizes, a, o.seconds)),
     ])
+    for v in o.variants[1:]:
+        _server_sections(results, root, _config(models, o, free_port(), v), env, [
+            (_served_name(v, first), _served_heading(v, o.seconds, own_server=True),
+             lambda srv: served(srv, "avatar", batches, sizes, a, o.seconds))])
+    _section(results, "variants", "variants against the fp32 anchor: served infer's frames/s over the anchor's at "
+             "each batch, and the inference process's CPU (% of a core) per 1,000 frames/s:",
+             lambda: variants_table(results, o.variants, batches))
 
 
 def _model_sections(results: dict, root: Path, models: Path, demo: Path, o: GpuBenchOptions,
                     env: Optional[dict]) -> None:
-    """Live sessions and distinct models, on one server."""
+    """Live sessions and distinct models, on one server of the first variant."""
     from tests.helpers import free_port
     port = free_port()
-    cfg = _config(models, o, port)
+    cfg = _config(models, o, port, o.variants[0])
     distinct = [avatar(models, f"a{k:03d}", demo, _written(o.model, 100 + k)) for k in range(o.avatars)]
     extra = avatar(models, "w000", demo, _written(o.model, 99))
     pool: list[Path] = []
