@@ -22,6 +22,7 @@ for all 8 first; unet_328, compute-bound, costs the same either way (82 ms). Bat
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
@@ -107,6 +108,24 @@ def session_options(threads: int, spin: bool) -> ort.SessionOptions:
     return options
 
 
+_shared_cpu_arena = threading.Lock()
+_registered: list[bool] = []
+
+
+def share_cpu_arena(options: ort.SessionOptions) -> None:
+    """Make the session's CPU memory come from one arena for the whole process (registered once), not
+    an arena of its own: a real-size unet_328 session's arena keeps ~220 MiB of activations (for 46 MiB
+    of weights) once it has run, and each of a worker's models kept its own. Measured with 3 models, one
+    frame per call: 47-76 MiB more a model against 219-232, the same ms a frame (docs/benchmarks.md)."""
+    import onnxruntime as ort
+    with _shared_cpu_arena:
+        if not _registered:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _registered.append(True)
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
 def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
                  spin: bool = False) -> ort.InferenceSession:
     if device != "cpu":
@@ -116,6 +135,8 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
     # before READY (on a GPU, check_device has imported it by then).
     import onnxruntime as ort
     options = session_options(threads, spin)
+    if device == "cpu":
+        share_cpu_arena(options)
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
     try:
@@ -242,9 +263,8 @@ class ModelRunner:
         self.max_frames = max(1, budget // self.frame_bytes)
         log.info("model %s: %.0f MB peak per frame, up to %d frames per call (budget %.0f MB)", self.path,
                  self.frame_bytes / 1e6, self.max_frames, budget / 1e6)
-        # NOTE: and once at the batch live sessions' speech shares: a model's first call at a larger batch
-        # grows onnxruntime's memory pool (5x the time of the next call at that size, measured), which a
-        # fresh session's first utterance would otherwise pay while its frames are due
-        warm = min(self.max_frames, WARM_FRAMES)
+        # NOTE: a call larger than a frame would grow onnxruntime's memory pool on its first run (5x the
+        # time of the next one): warm it too where calls are (tests set CPU_CALL_FRAMES above 1)
+        warm = min(self.max_frames, WARM_FRAMES, CPU_CALL_FRAMES)
         if warm > 2:
             self._zeros_run(warm)
