@@ -10,10 +10,9 @@ and gives a model it cannot convert back unchanged, with a warning to log; `chec
 precision the device cannot run, with the key to change. Ops onnxconverter-common keeps in float32
 (its default block list: Resize among them) get Casts around them.
 
-With the crops in front of the model (gpu_actor/preprocess.py), convert first:
-`with_visual_input(to_fp16(model)[0])`. The crops graph then stays float32 and equal to build_visual's,
-and the converted model's own input Cast takes its output to float16; converted the other way round, its
-Cast to float32 would feed a float16 tensor, which to_fp16 refuses.
+The crops graph that makes a GPU worker's visual input (gpu_actor/preprocess.py) is a session of its
+own, never converted: it stays float32 and equal to build_visual's, and the converted model's input
+Cast takes its output to float16.
 """
 
 from __future__ import annotations

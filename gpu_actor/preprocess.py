@@ -1,6 +1,7 @@
 """The visual input built where the model runs: a small ONNX graph that turns the avatar's uint8 crops
-into `build_visual`'s float input (gpu_actor/visual.py), bit for bit, put in front of a model's visual
-input so that the model takes the crops themselves.
+into `build_visual`'s float input (gpu_actor/visual.py), bit for bit. A GPU worker runs it as a session
+of its own on the device, writing into the model's input buffer (gpu_actor/shared.py), so a client's own
+float visual input uses the same prepared model sessions, and it stays float32 whatever the precision.
 
     crops  [B, 328, 328, 3] uint8   BGR, the frame's 328x328 face crop (config/geometry.crop_328)
       -> Slice [4:324, 4:324] -> Cast float -> Div 255 -> Transpose to CHW       R   [B, 3, 320, 320]
@@ -14,19 +15,16 @@ constant when the session is made. Needs opset 11 or later (Pad and Slice take t
 
 from __future__ import annotations
 
-import copy
-
 import onnx
 from onnx import TensorProto, helper
 
-from config.assets import AssetError, classify_io
 from config.geometry import CROP_SIZE, INNER
 from gpu_actor.visual import MASK_COLS, MASK_ROWS
 
-CROPS_INPUT = "crops"        # the composed model's visual input: uint8 [B, 328, 328, 3]
+CROPS_INPUT = "crops"        # visual_graph's input: uint8 [B, 328, 328, 3]
 VISUAL_OUTPUT = "visual"     # visual_graph's output, float32 [B, 6, 320, 320]
 MIN_OPSET = 11
-_PREFIX = "crops_to_visual/"  # every tensor and node the graph adds to a model is named under this
+_PREFIX = "crops_to_visual/"  # every tensor and node of the graph but its IO is named under this
 _SIDE = INNER.stop - INNER.start
 
 
@@ -73,9 +71,7 @@ def _crops_info(batch) -> onnx.ValueInfoProto:
 
 def _check_opset(opset: int, source: str) -> None:
     if opset < MIN_OPSET:
-        raise ValueError(f"{source}: the crops-to-visual graph needs ONNX opset >= {MIN_OPSET}, got {opset}: "
-                         f"export the model with opset_version={MIN_OPSET} or later, or build the visual input "
-                         "on the host (gpu_actor/visual.build_visual)")
+        raise ValueError(f"{source}: the crops-to-visual graph needs ONNX opset >= {MIN_OPSET}, got {opset}")
 
 
 def visual_graph(opset: int = MIN_OPSET) -> onnx.ModelProto:
@@ -91,44 +87,3 @@ def visual_graph(opset: int = MIN_OPSET) -> onnx.ModelProto:
     model.ir_version = helper.find_min_ir_version_for(opsets)  # NOTE: the newest IR may be newer than onnxruntime
     onnx.checker.check_model(model)
     return model
-
-
-def _dims(value: onnx.ValueInfoProto) -> list:
-    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-            for d in value.type.tensor_type.shape.dim]
-
-
-def with_visual_input(model: onnx.ModelProto, source: str = "model") -> onnx.ModelProto:
-    """A copy of `model` whose visual input ([B,6,320,320] float32, found as config.assets.classify_io
-    finds it) is replaced by `crops` (uint8 [B,328,328,3], at the same position among the inputs, same
-    batch dimension) feeding visual_graph's nodes, whose output takes the visual input's name. The audio
-    input and the output are unchanged. For fp16, convert the model first (gpu_actor/precision.py).
-    Raises AssetError (naming `source`) for a model whose inputs do not classify or that already names
-    a tensor `crops`, and ValueError for opset < 11."""
-    graph = model.graph
-    initializers = {t.name for t in graph.initializer}
-    io = classify_io([(v.name, _dims(v)) for v in graph.input if v.name not in initializers],
-                     [(v.name, _dims(v)) for v in graph.output], source)
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    _check_opset(opset, source)
-    taken = initializers | {v.name for v in graph.input} | {o for n in graph.node for o in n.output}
-    clash = sorted(n for n in taken if n == CROPS_INPUT or n.startswith(_PREFIX))
-    if clash:
-        raise AssetError(f"{source}: already has a tensor named {clash[0]!r}, a name the crops-to-visual graph takes")
-
-    composed = copy.deepcopy(model)
-    graph = composed.graph
-    position, visual = next((i, v) for i, v in enumerate(graph.input) if v.name == io.visual)
-    batch = _dims(visual)[0] or "batch"
-    nodes, constants = _nodes(CROPS_INPUT, io.visual)
-    inputs = list(graph.input)
-    inputs[position] = _crops_info(batch)
-    del graph.input[:]
-    graph.input.extend(inputs)
-    # NOTE: the graph's nodes must stay in topological order: the new ones go first
-    model_nodes = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(nodes + model_nodes)
-    graph.initializer.extend(constants)
-    onnx.checker.check_model(composed)
-    return composed
