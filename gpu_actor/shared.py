@@ -325,6 +325,9 @@ class Architectures:
         for key in idle[: max(len(idle) - IDLE_ARCHITECTURES + 1, 0)]:
             del self.prepared[key]
 
-    def sizes(self) -> Optional[tuple[int, ...]]:
+    def describe(self) -> dict[str, dict]:
+        """Each prepared architecture: its sizes, its measured frames/s, the models loaded on it (stats)."""
         with self._lock:
-            return next((p.shapes.sizes for p in self.prepared.values()), None)
+            return {key: {"sizes": list(p.shapes.sizes), "frames_per_s": round(p.frames_per_s(), 1),
+                          "models": len(p.users), "cuda_graphs": p.slot is not None}
+                    for key, p in self.prepared.items()}

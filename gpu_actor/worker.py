@@ -162,7 +162,8 @@ class InferenceWorker:
             self.to_frontend.send(pack(StatsReport(
                 req=msg.req, worker=self.index, device=self.device,
                 models={m: s.as_dict() for m, s in self.registry.stats.items()},
-                loaded=sorted(self.registry.loaded), queue=len(self.queue))))
+                loaded=sorted(self.registry.loaded), queue=len(self.queue),
+                architectures=self.registry.architectures.describe() if self.registry.architectures else {})))
         elif isinstance(msg, ResetRequests):
             self.outputs.become_writer()
 

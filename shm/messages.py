@@ -12,7 +12,7 @@ may be reused), both tied to a request id.
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Any, Annotated, Optional, Union
 
 import msgspec
 
@@ -263,6 +263,8 @@ class StatsReport(_Msg):
     models: dict[str, dict[str, float]]
     loaded: list[str]
     queue: int
+    # a GPU worker's prepared architectures: key -> {"sizes": [...], "frames_per_s": ..., "models": n}
+    architectures: dict[str, dict[str, Any]] = {}
 
 
 # -- supervisor <-> children -----------------------------------------------------------------

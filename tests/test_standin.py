@@ -66,12 +66,15 @@ def test_live_speech_on_a_stalling_gpu_is_on_time_and_a_new_avatars_load_stalls_
                 load_s = time.monotonic() - t0
             return await asyncio.gather(*speakers), load_s
 
-        stats, load_s = asyncio.run(scenario())
+        sessions, load_s = asyncio.run(scenario())
         with srv.client() as c:
-            models = c.stats()["models"]
-    for s in stats:
+            stats = c.stats()
+            models = stats["models"]
+    for s in sessions:
         assert s["frames_speech"] > 0 and s["missed"] == 0, s
     sizes = prepared_sizes(MAX_BATCH)
+    (architecture,) = stats["workers"][0]["architectures"].values()   # three avatars, one architecture
+    assert architecture["sizes"] == list(sizes) and architecture["models"] == 3 and architecture["frames_per_s"] > 0
     # the stand-in really stalled: the architecture's first model prepared every size, one stall each
     assert models["a"]["load_ms"] >= len(sizes) * STALL_S * 1000 or models["b"]["load_ms"] >= len(sizes) * STALL_S * 1000
     # ... and a later avatar of it met no new shape: its load is its weights

@@ -292,7 +292,8 @@ class BridgeServer(Shell):
             self._send(call.identity, StatsReport(
                 req=call.edge_req, worker=0, device=f"{len(answers)} worker(s): " + ", ".join(a.device for a in answers),
                 models=merge_model_stats(answers), loaded=sorted({m for a in answers for m in a.loaded}),
-                queue=sum(a.queue for a in answers) + sum(len(w.queue) for w in self.engine.workers)))
+                queue=sum(a.queue for a in answers) + sum(len(w.queue) for w in self.engine.workers),
+                architectures={key: arch for a in answers for key, arch in a.architectures.items()}))
         else:
             if r.kind is Kind.LOAD and r.pin and r.results:
                 self._pins.setdefault((call.identity, r.model), []).append(r.results[0].worker)
