@@ -27,6 +27,7 @@ from config.assets import AssetError
 from gpu_actor.device import make_device, out_of_memory
 from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import Architectures
+from shm.child import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class Registry:
                 runner = ModelRunner(path, self.device.name, self._threads, self._tensorrt, self._spin,
                                      *self._batch_memory)
                 runner.warm_up()
+                release_freed_memory()   # NOTE: else the file's bytes, freed, count as the model's
                 # The byte cap is checked on what the load really cost; never below the file's size.
                 nbytes = max(self.device.memory_used() - before, path.stat().st_size)
             self._companions(model)

@@ -101,6 +101,16 @@ def tune_malloc() -> None:
     libc.mallopt(m_trim_threshold, 512 * 1024 * 1024)
 
 
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel now (glibc malloc_trim), which tune_malloc's
+    threshold otherwise keeps: after a rare large event (a model's load: its file's bytes, the session's
+    construction), so the process's resident memory says what it holds. Elsewhere a no-op."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
 def set_process_title(title: str) -> None:
     try:
         with open("/proc/self/comm", "w") as f:
