@@ -8,6 +8,7 @@ synchronises before onnxruntime's stream reads them.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import numpy as np
@@ -21,15 +22,34 @@ log = logging.getLogger(__name__)
 
 
 def block_while_waiting(device_id: int) -> None:
-    """Make the host thread sleep, not spin, while it waits for the GPU (cudaDeviceScheduleBlockingSync):
-    the inference process then uses a core's fraction, not a whole core, whatever the GPU's load.
-    NOTE: before the device's context exists (before any session or buffer), or CUDA refuses."""
+    """Make the host thread sleep, not spin, while it waits for the GPU (CU_CTX_SCHED_BLOCKING_SYNC on the
+    device's primary context, through the driver API: cupy's runtime module has no setDeviceFlags): the
+    inference process then uses a core's fraction, not a whole core, whatever the GPU's load.
+    NOTE: before the device's context exists (before any session or buffer) it surely applies."""
+    blocking_sync = 0x04
     try:
-        cp.cuda.runtime.setDevice(device_id)
-        cp.cuda.runtime.setDeviceFlags(cp.cuda.runtime.deviceScheduleBlockingSync)
-    except Exception as err:   # a context made before us: waits spin, which costs CPU, not results
+        driver = ctypes.CDLL("libcuda.so.1")
+        device = ctypes.c_int()
+        status = driver.cuInit(0) or driver.cuDeviceGet(ctypes.byref(device), device_id) or \
+            driver.cuDevicePrimaryCtxSetFlags_v2(device, blocking_sync)
+        if status:
+            raise RuntimeError(f"CUDA driver error {status}")
+    except (OSError, AttributeError, RuntimeError) as err:   # waits spin then: CPU, not results
         log.warning("cuda:%d: cannot make waits block (%s); the worker's thread spins while the GPU runs",
                     device_id, err)
+
+
+def use_device(device_id: int) -> None:
+    """Make the calling thread's current device this one (a new thread starts on device 0, and cupy's
+    context managers set back what they found: the load thread would make a context on GPU 0)."""
+    cp.cuda.runtime.setDevice(device_id)
+
+
+def release_pool(device_id: int) -> None:
+    """Free cupy's cached blocks (evicted weights, warm-up buffers) so onnxruntime's allocator can have them."""
+    with cp.cuda.Device(device_id):
+        cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def device_memory_used(device_id: int) -> int:
@@ -51,11 +71,12 @@ def zeros(device_id: int, shape: tuple[int, ...], dtype) -> cp.ndarray:
         return cp.zeros(shape, dtype)
 
 
-def pinned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+def pinned_empty(device_id: int, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A host array in page-locked memory: copied to the device at the bus's speed (a batch-64 input:
     3.1 ms pinned, 25.0 ms pageable, measured on an H100)."""
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    memory = cp.cuda.alloc_pinned_memory(nbytes)
+    with cp.cuda.Device(device_id):
+        memory = cp.cuda.alloc_pinned_memory(nbytes)
     return np.frombuffer(memory, dtype, int(np.prod(shape))).reshape(shape)
 
 

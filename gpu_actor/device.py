@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import numpy as np
 import psutil
@@ -52,6 +52,34 @@ def cuda_id(device: str) -> int:
     return int(device.split(":")[1])
 
 
+class Device(Protocol):
+    """What the runners and the registry ask of a device (each implementation below has all of it:
+    tests/test_shared.py checks, since CudaDevice runs nowhere a test can)."""
+
+    name: str
+    shared_weights: bool   # one prepared session per architecture, weights bound per call
+    batched: bool          # calls of many frames (else one frame per call)
+
+    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list: ...
+    def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]: ...
+    def memory_used(self) -> int: ...
+    def memory_free(self) -> int: ...
+    def bind_thread(self) -> None: ...
+    def empty(self, shape: tuple[int, ...], dtype=np.float32) -> Any: ...
+    def host_empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray: ...
+    def upload(self, dst: Any, src: np.ndarray) -> None: ...
+    def zero(self, dst: Any) -> None: ...
+    def copy(self, dst: Any, src: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def account(self, owner: object, nbytes: int) -> None: ...
+    def release(self) -> None: ...
+    def pin(self, host: np.ndarray) -> None: ...
+    def unpin_all(self) -> None: ...
+    def download(self, src: Any, dst: np.ndarray) -> None: ...
+    def bind(self, binding, name: str, array: Any, output: bool = False) -> None: ...
+    def run(self, session: ort.InferenceSession, binding, size: int) -> None: ...
+
+
 class CpuDevice:
     name = "cpu"
     shared_weights = False     # per-model sessions: faster per frame on the CPU provider (module docstring)
@@ -68,6 +96,9 @@ class CpuDevice:
 
     def memory_free(self) -> int:
         return psutil.virtual_memory().available
+
+    def bind_thread(self) -> None:
+        """(A thread that will use the device: the load thread) make it this device's."""
 
     # -- buffers (numpy: the CPU provider reads and writes host memory) ---------------------------
 
@@ -91,6 +122,10 @@ class CpuDevice:
     def account(self, owner: object, nbytes: int) -> None:
         """`owner` (a model's weights) holds `nbytes` of the device until it is freed: where the device
         has no room, MemoryError (a GPU's own allocator says so by itself)."""
+
+    def release(self) -> None:
+        """Give memory freed since (an evicted model's weights, warm-up buffers) back to the device, where
+        its allocator keeps it: onnxruntime allocates apart from it."""
 
     def pin(self, host: np.ndarray) -> None:
         """Page-lock host memory the device copies to and from (a worker's shared-memory slots)."""
@@ -184,11 +219,20 @@ class CudaDevice:
     def memory_free(self) -> int:
         return self._cuda.device_memory_free(self.device_id)
 
+    def bind_thread(self) -> None:
+        self._cuda.use_device(self.device_id)
+
+    def account(self, owner: object, nbytes: int) -> None:
+        pass   # cupy raises OutOfMemoryError by itself
+
+    def release(self) -> None:
+        self._cuda.release_pool(self.device_id)
+
     def empty(self, shape: tuple[int, ...], dtype=np.float32) -> Any:
         return self._cuda.zeros(self.device_id, shape, dtype)
 
     def host_empty(self, shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
-        return self._cuda.pinned_empty(shape, dtype)
+        return self._cuda.pinned_empty(self.device_id, shape, dtype)
 
     def upload(self, dst, src: np.ndarray) -> None:
         self._cuda.upload(self.device_id, dst, src)
@@ -221,8 +265,9 @@ class CudaDevice:
         # NOTE: the inputs (and a graph's weight slot) were copied on cupy's stream: done before
         # onnxruntime's stream reads them
         self._cuda.synchronize(self.device_id)
+        # NOTE: Run synchronizes its own stream at its end; IOBinding.synchronize_outputs would be a
+        # cudaDeviceSynchronize, waiting for the load thread's work on the device too
         session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
 
 
 def make_device(device: str):

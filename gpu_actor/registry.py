@@ -91,7 +91,7 @@ class Registry:
         self.busy: Counter[str] = Counter()   # tasks queued or running, per model
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
-        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load")
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
         self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin, precision, cuda_graphs) \
             if self.device.shared_weights else None
 
@@ -213,7 +213,7 @@ class Registry:
         return True
 
     def _drop(self, model: str, event: str) -> None:
-        self.loaded.pop(model)
+        self.loaded.pop(model)   # (its device memory goes back with the next load: Architectures.load)
         self._on_event(model, event, 0.0, 0, 0.0)
 
     def unload(self, model: str) -> bool:

@@ -36,7 +36,7 @@ from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
-GRAPH_WARM_RUNS = 2      # runs before the timed one with CUDA graphs: onnxruntime captures on one of them
+CAPTURE_RUNS = 3         # CUDA graphs: onnxruntime runs a session plainly twice, then captures on the third
 FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's
 FP16_KEEP_FP32 = (0, 2, 4, 8, 16, 32, 1 << 30)   # leading convolutions kept in fp32, tried in turn
 
@@ -56,9 +56,10 @@ class Prepared:
     """One architecture on one device, prepared at every batch size."""
 
     def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, tensorrt: bool, spin: bool,
-                 graphs: bool = False):
+                 graphs: bool = False, lock: Optional[threading.Lock] = None):
         import onnxruntime as ort
         self.architecture, self.device = architecture, device
+        self.lock = lock or threading.Lock()   # the device's: held by the load thread's work on it
         options = session_options(threads, spin)
 
         def session(graphs: bool) -> ort.InferenceSession:
@@ -98,6 +99,7 @@ class Prepared:
         self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
         self.slot_owner: Callable[[], Optional[Weights]] = lambda: None
         self._slot_bindings: dict[int, object] = {}
+        self.main_runs = dict.fromkeys(self.shapes.sizes, 0)   # the main thread's calls per size (captures)
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
 
@@ -142,8 +144,9 @@ class Prepared:
             device.bind(binding, self.io.visual, buffers[0])
             device.bind(binding, self.io.audio, buffers[1])
             device.bind(binding, self.io.output, buffers[2], output=True)
-        for _ in range(GRAPH_WARM_RUNS if self.slot is not None else 1):
-            device.run(session, binding, size)
+        # NOTE: two runs in all, so none captures: onnxruntime keeps a graph per thread, and the main
+        # thread's replays need their own (SharedRunner.run captures them there)
+        device.run(session, binding, size)
         t0 = time.perf_counter()
         device.run(session, binding, size)
         self.call_s[size] = time.perf_counter() - t0
@@ -241,7 +244,14 @@ class SharedRunner:
             device.upload(p.audio[:rows], audio[step.start:step.end])
             if step.padding:
                 device.zero(p.audio[rows:step.size])
-            device.run(p.sessions[step.size], self._binding(step.size), step.size)
+            if p.slot is not None and p.main_runs[step.size] < CAPTURE_RUNS:
+                # NOTE: a capture fails when another thread calls CUDA meanwhile (cudaStreamCaptureModeGlobal):
+                # the load thread's work on the device holds this lock; once per size, so a wait is rare
+                with p.lock:
+                    device.run(p.sessions[step.size], self._binding(step.size), step.size)
+                p.main_runs[step.size] += 1
+            else:
+                device.run(p.sessions[step.size], self._binding(step.size), step.size)
             device.download(p.out[:rows], out[step.start:step.end])
 
 
@@ -254,16 +264,29 @@ class Architectures:
         self._options = (threads, tensorrt, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
+        self.device_lock = threading.Lock()   # the load thread's work on the device (gpu_actor: CUDA graphs)
 
     def load(self, path: Path, model: str = "") -> SharedRunner:
+        """(The load thread) a model's runner: its weights uploaded, its architecture prepared first if new."""
         split = split_model(path)
+        with self.device_lock:
+            # NOTE: here, not where a model is evicted: cudaFree waits for the whole device, and the main
+            # thread must not wait for a load; before the load (evicted models' weights, for this one's
+            # and onnxruntime's allocations) and after it (its warm-up buffers)
+            self.device.release()
+            runner = self._load(path, model, split)
+            self.device.release()
+        return runner
+
+    def _load(self, path: Path, model: str, split: Split) -> SharedRunner:
         key = split.architecture.key   # NOTE: fp32's key also for fp16: every model of it converts alike
         with self._lock:
             prepared = self.prepared.get(key)
         if prepared is None:
             check_convolutions(split.architecture, path)
             architecture = self._fp16(path, split) if self.precision == "fp16" else split.architecture
-            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs)
+            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs,
+                                lock=self.device_lock)
             weights = Weights(self.device, architecture, architecture.weights_of(model or str(path), split))
             prepared.prepare(weights)
             log.info("architecture %s (from %s) prepared at batch sizes %s: %.0f frames/s at best, %.1f MB a frame",

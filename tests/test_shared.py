@@ -233,3 +233,12 @@ def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_
         ModelRunner(paths[model]).run(*_inputs(1), want)
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-6)
     reg.close()
+
+
+def test_every_device_has_all_the_runners_and_the_registry_ask_of_one():
+    """CudaDevice runs only where there is a card: a method it lacks would fail the first GPU run."""
+    from gpu_actor.device import CpuDevice, CudaDevice, Device
+    wanted = [name for name in dir(Device) if not name.startswith("_")] + list(Device.__annotations__)
+    for cls in (CpuDevice, StandInDevice, CudaDevice):
+        missing = [name for name in wanted if not hasattr(cls, name) and name not in ("name",)]
+        assert not missing, f"{cls.__name__} lacks {missing}"
