@@ -215,6 +215,11 @@ def _own_calls_cpu(model: Path, device: str, batches: tuple[int, ...], rng) -> d
     from gpu_actor.runner import ModelRunner
     runner = ModelRunner(model, "cpu", threads=0)
     runner.warm_up()
+    return _run_calls(runner, batches, rng)
+
+
+def _run_calls(runner, batches: tuple[int, ...], rng) -> dict:
+    """batch -> a call of `runner.run` (a ModelRunner's or a SharedRunner's) on random inputs made once."""
     calls = {}
     for b in batches:
         visual = rng.random((b, 6, 320, 320), dtype=np.float32)
@@ -239,13 +244,7 @@ def _shared_calls(runner, dev, batches: tuple[int, ...], rng) -> dict:
     """The CPU: SharedRunner.run as a worker calls it. A GPU: the prepared session at each batch with the
     model's weights and the staging buffers (random inputs uploaded once) bound, as the runner binds them."""
     if dev.name == "cpu":
-        calls = {}
-        for b in batches:
-            visual = rng.random((b, 6, 320, 320), dtype=np.float32)
-            audio = rng.standard_normal((b, *runner.io.audio_shape)).astype(np.float32)
-            mouths = np.empty((b, 3, 320, 320), np.float32)
-            calls[b] = lambda v=visual, a=audio, m=mouths: runner.run(v, a, m)
-        return calls
+        return _run_calls(runner, batches, rng)
     p, calls = runner.prepared, {}
     for b in batches:
         binding = p.sessions[b].io_binding()

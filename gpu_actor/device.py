@@ -4,8 +4,8 @@ live, how rows move between them and the shared-memory slots, how a prepared cal
 Three devices:
 
 - `CpuDevice` ("cpu"): one onnxruntime session per model (the CPU provider prepacks constant weights:
-  a real-size unet_328 frame costs 47 ms so against 80 ms with its weights as inputs, measured by
-  `python -m bench gpu`), one frame per call (gpu_actor/runner.py says why).
+  a real-size unet_328 frame costs 90.5 ms so against 207.3 ms with its weights as inputs on a 2-core
+  x86 host, `python -m bench gpu --stand-in 1.0`), one frame per call (gpu_actor/runner.py says why).
 - `CudaDevice` ("cuda:N"): one prepared session per architecture and batch size, each model's weights
   resident on the device and bound per call (gpu_actor/shared.py), buffers in cupy, the host thread
   blocking (not spinning) while the GPU works.

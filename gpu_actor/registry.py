@@ -49,7 +49,8 @@ class ModelStats:
     def as_dict(self) -> dict[str, float]:
         ms = np.asarray(self.infer_ms) if self.infer_ms else np.zeros(1)
         return {"requests": self.requests, "frames": self.frames, "errors": self.errors, "loads": self.loads,
-                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "nbytes": self.nbytes, "frames_per_s": round(self.frames_per_s, 1), "last_used": self.last_used,
+                "evictions": self.evictions, "load_ms": round(self.load_ms, 2), "nbytes": self.nbytes,
+                "frames_per_s": round(self.frames_per_s, 1), "last_used": self.last_used,
                 "inference_ms_p50": float(np.percentile(ms, 50)), "inference_ms_p99": float(np.percentile(ms, 99))}
 
 
@@ -159,10 +160,10 @@ class Registry:
             del self.loading[model]
             result = future.result()
             stats = self.stat(model)
-            if result.code == "out_of_memory" and self._evict_one(keep=model):
-                self.loading[model] = self._submit(model, self._resolve(model))   # again, with room made
-                continue
             if result.code == "out_of_memory":
+                if self._evict_one(keep=model):
+                    self.loading[model] = self._submit(model, self._resolve(model))   # again, with room made
+                    continue
                 result.code = "overloaded"
                 result.error = (f"{result.error} (the device has no memory for model {model} and every loaded "
                                 "model is in use: retry when fewer are, or lower inference.max_models_per_worker)")

@@ -106,8 +106,9 @@ class Prepared:
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
         (and the largest grows the memory pool once for all), the second is the size's steady cost
-        (`call_s`); with CUDA graphs, one more, which captures. No request runs this architecture yet, so
-        its buffers are free; the main thread may be running other architectures meanwhile.
+        (`call_s`); with CUDA graphs the main thread captures later (SharedRunner.run). No request runs
+        this architecture yet, so its staging buffers are free; the main thread may be running other
+        architectures meanwhile.
         A size the device has no memory for is dropped (its batches run as calls at smaller sizes)."""
         device, dropped = self.device, []
         for size in sorted(self.shapes.sizes, reverse=True):
@@ -133,24 +134,16 @@ class Prepared:
         device, session = self.device, self.sessions[size]
         if self.slot is not None:   # the binding every call uses: captured at these addresses
             self.load_slot(weights)
-            binding, buffers = self.slot_binding(size), ()
-        else:
+            binding = self.slot_binding(size)
+        else:   # (the staging buffers: no request runs this architecture before it is prepared)
             binding = session.io_binding()
-            for name, array in zip(self.architecture.weights, weights.views):
-                device.bind(binding, name, array)
-            # NOTE: a binding holds addresses, not the arrays: `buffers` keeps them alive through the runs
-            buffers = (device.empty((size, *VISUAL_SHAPE)), device.empty((size, *self.io.audio_shape)),
-                       device.empty((size, *MOUTH_SHAPE)))
-            device.bind(binding, self.io.visual, buffers[0])
-            device.bind(binding, self.io.audio, buffers[1])
-            device.bind(binding, self.io.output, buffers[2], output=True)
+            self._bind(binding, weights, size)
         # NOTE: two runs in all, so none captures: onnxruntime keeps a graph per thread, and the main
         # thread's replays need their own (SharedRunner.run captures them there)
         device.run(session, binding, size)
         t0 = time.perf_counter()
         device.run(session, binding, size)
         self.call_s[size] = time.perf_counter() - t0
-        del buffers
         device.run(self.crop_session, self.crop_binding(size), size)
 
     def slot_binding(self, size: int):
