@@ -49,17 +49,19 @@ class Architecture:
     def nbytes(self) -> int:
         return sum(int(np.prod(s)) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
-    def weights_of(self, model: str, split: "Split") -> list[np.ndarray]:
+    def weights_of(self, source: str, split: "Split") -> list[np.ndarray]:
         """A model's weights (`split` of its file) in this architecture's order and types (an fp16
-        architecture's are cast): the error names a tensor that is missing or of another shape."""
+        architecture's are cast): the error, which starts with `source` (the model's file, as every load
+        error does: a caller that reports it adds the model's id), names a tensor that is missing or of
+        another shape."""
         by_name = dict(zip(split.architecture.weights, split.weights))
         arrays = []
         for name, shape, dtype in zip(self.weights, self.shapes, self.dtypes):
             array = by_name.get(name)
             if array is None:
-                raise AssetError(f"model {model}: it has no weight {name}, which its architecture needs ({list(shape)})")
+                raise AssetError(f"{source}: it has no weight {name}, which its architecture needs ({list(shape)})")
             if array.shape != shape:
-                raise AssetError(f"model {model}: weight {name} is {list(array.shape)}, its architecture needs "
+                raise AssetError(f"{source}: weight {name} is {list(array.shape)}, its architecture needs "
                                  f"{list(shape)}")
             arrays.append(array.astype(dtype, copy=False))
         return arrays
@@ -162,7 +164,9 @@ def split_proto(model, path: Path) -> Split:
         else:
             constants.append(init)
     names = _canonical(graph)
-    weights.sort(key=lambda t: int(names[t.name][1:]) if names.get(t.name, "").startswith("t") else -1)
+    # NOTE: by position in `names`, not by parsing "tN": a weight that is also a graph output keeps its own name
+    order = {name: position for position, name in enumerate(names)}
+    weights.sort(key=lambda t: order[t.name])
     arrays = [numpy_helper.to_array(t) for t in weights]
     key = _key(model, names, weights, arrays, constants)
     del graph.initializer[:]
@@ -171,7 +175,8 @@ def split_proto(model, path: Path) -> Split:
         graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(array.shape)))
     architecture = Architecture(key, model.SerializeToString(), tuple(t.name for t in weights),
                                 tuple(a.shape for a in arrays), tuple(a.dtype for a in arrays))
-    return Split(architecture, [np.ascontiguousarray(a) for a in arrays])
+    # NOTE: not np.ascontiguousarray, which makes a 0-d weight ([], `x * 0.5` as torch exports it) a [1]
+    return Split(architecture, [np.require(a, requirements="C") for a in arrays])
 
 
 def _key(model, names: dict[str, str], weights, arrays, constants) -> str:

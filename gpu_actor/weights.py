@@ -37,7 +37,7 @@ class Weights:
         self.views: list = [self.flat[o:o + int(np.prod(s)) * np.dtype(d).itemsize].view(d).reshape(s)
                             for o, s, d in zip(offsets, architecture.shapes, architecture.dtypes)]
         for view, array in zip(self.views, arrays or ()):
-            device.upload(view, np.ascontiguousarray(array))
+            device.upload(view, np.require(array, requirements="C"))   # (0-d stays 0-d)
         if arrays:
             device.synchronize()   # NOTE: uploaded before the first call on another stream reads them
 
