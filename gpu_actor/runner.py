@@ -31,7 +31,7 @@ import psutil
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import VISUAL_SHAPE
-from gpu_actor.device import DeviceError, cuda_id
+from gpu_actor.device import DeviceError, cuda_id, new_session, short
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -46,21 +46,6 @@ CPU_CALL_FRAMES = 1   # frames per onnxruntime call on the CPU (the module's doc
 def _providers(device: str, tensorrt: bool = False) -> list:
     from gpu_actor.device import CpuDevice, CudaDevice
     return CpuDevice().providers() if device == "cpu" else CudaDevice.providers_for(cuda_id(device), tensorrt)
-
-
-def require_provider(session: ort.InferenceSession, device: str) -> None:
-    # NOTE: onnxruntime does not fail when the CUDA provider cannot load (no onnxruntime-gpu, or its
-    # CUDA / cuDNN libraries missing): it warns and runs on the CPU. A GPU worker must not.
-    if device != "cpu" and "CUDAExecutionProvider" not in session.get_providers():
-        import onnxruntime as ort
-        from gpu_actor.cuda_libs import extra_for, missing_libraries
-        missing = missing_libraries(ort.__version__)
-        cause = (f"these libraries it links cannot be loaded: {', '.join(missing)}" if missing else
-                 "its libraries load, so check the driver (nvidia-smi) and that this GPU is visible")
-        raise DeviceError(
-            f"onnxruntime {ort.__version__} cannot use {device}: its CUDA provider did not load ({cause}; it runs on "
-            f"{session.get_providers()}). Install the extra built for this host's driver: LIPSYNC_EXTRAS=gpu picks it "
-            f"(this onnxruntime needs extra {extra_for(ort.__version__)!r}), or set inference.devices: cpu")
 
 
 def check_device(device: str) -> None:
@@ -78,10 +63,11 @@ def check_device(device: str) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    require_provider(ort.InferenceSession(model.SerializeToString(), options, providers=_providers(device)), device)
-    from gpu_actor.cuda import device_memory_used  # cupy, which moves the tensors, must work there too
-    try:
-        device_memory_used(cuda_id(device))
+    new_session(model.SerializeToString(), options, _providers(device), device)
+    try:   # cupy, which moves the tensors, must work there too
+        import cupy
+        cupy.cuda.runtime.setDevice(cuda_id(device))
+        cupy.cuda.runtime.memGetInfo()
     except Exception as err:
         from gpu_actor.cuda_libs import extra_for
         raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install the extra that pairs "
@@ -131,20 +117,19 @@ def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
     if device != "cpu":
         from gpu_actor.cuda_libs import preload
         preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
-    # NOTE: here, in the load thread: a worker imports onnxruntime (20-30 ms) with its first model, not
-    # before READY (on a GPU, check_device has imported it by then).
-    import onnxruntime as ort
+    # NOTE: onnxruntime is imported here (session_options), in the load thread: a worker imports it
+    # (20-30 ms) with its first model, not before READY (on a GPU, check_device has imported it by then).
     options = session_options(threads, spin)
     if device == "cpu":
         share_cpu_arena(options)
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
     try:
-        session = ort.InferenceSession(str(path), options, providers=_providers(device, tensorrt))
+        return new_session(str(path), options, _providers(device, tensorrt), device)
+    except (DeviceError, MemoryError):
+        raise
     except Exception as err:  # onnxruntime raises its own exception types for bad files
-        raise AssetError(f"{path}: onnxruntime cannot load it: {str(err).splitlines()[0][:300]}") from None
-    require_provider(session, device)
-    return session
+        raise AssetError(f"{path}: onnxruntime cannot load it: {short(err)}") from None
 
 
 def _peak_reset() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 import weakref
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -28,8 +29,8 @@ import numpy as np
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model, split_proto
-from gpu_actor.runner import dims, require_provider, session_options
-from gpu_actor.device import out_of_memory
+from gpu_actor.device import DeviceError, DeviceMemoryError, out_of_memory, short
+from gpu_actor.runner import dims, session_options
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
 from gpu_actor.weights import Weights
@@ -53,28 +54,33 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 
 class Prepared:
-    """One architecture on one device, prepared at every batch size."""
+    """One architecture on one device, prepared at every batch size.
+
+    Threads: the load thread makes it and prepares it, holding `device.lock` around each call into the
+    device, never a whole load; the main thread runs it. With CUDA graphs the main thread captures each
+    size at its first call there (onnxruntime keeps a graph per thread), holding the lock meanwhile, and
+    a size whose capture fails runs plainly from then on."""
 
     def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, tensorrt: bool, spin: bool,
-                 graphs: bool = False, lock: Optional[threading.Lock] = None):
-        import onnxruntime as ort
+                 graphs: bool = False):
         self.architecture, self.device = architecture, device
-        self.lock = lock or threading.Lock()   # the device's: held by the load thread's work on it
-        options = session_options(threads, spin)
+        self.lock = device.lock
+        options = lambda: session_options(threads, spin)   # noqa: E731 (a device sets its threads in them)
 
-        def session(graphs: bool) -> ort.InferenceSession:
-            return ort.InferenceSession(architecture.graph, options, providers=device.providers(tensorrt, graphs))
+        def session(graphs: bool):
+            with self.lock:
+                return device.session(architecture.graph, options(), tensorrt, graphs)
         try:
             first = session(graphs)
+        except (DeviceError, MemoryError):
+            raise
         except Exception as err:  # onnxruntime raises its own exception types for graphs it cannot run
-            text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
             if not graphs:
-                raise AssetError(f"onnxruntime cannot load the model's graph: {text}") from None
+                raise AssetError(f"onnxruntime cannot load the model's graph: {short(err)}") from None
             # e.g. "cannot use the CUDA Graph feature ... all the graph nodes have not been partitioned"
-            log.warning("architecture %s: no CUDA graphs for it (%s); plain runs", architecture.key, text)
+            log.warning("architecture %s: no CUDA graphs for it (%s); plain runs", architecture.key, short(err))
             graphs = False
             first = session(graphs)   # NOTE: a graph that cannot load at all fails here as without graphs
-        require_provider(first, device.name)
         weights = set(architecture.weights)
         self.io: ModelIO = classify_io(
             [(i.name, dims(i.shape)) for i in first.get_inputs() if i.name not in weights],
@@ -84,51 +90,60 @@ class Prepared:
         # the avatar's crops become the visual input on the device (gpu_actor/preprocess.py): a crop is
         # 0.32 MB on the bus where its float input is 2.46 MB; a client's own visual input goes as it is
         from gpu_actor.preprocess import visual_graph   # NOTE: here: it imports onnx, which READY does not need
-        self.crop_session = ort.InferenceSession(visual_graph().SerializeToString(), options,
-                                                 providers=device.providers())
+        crops_graph = visual_graph().SerializeToString()
         largest = self.shapes.largest
-        self.visual = device.empty((largest, *VISUAL_SHAPE))
-        self.audio = device.empty((largest, *self.io.audio_shape))
-        self.out = device.empty((largest, *MOUTH_SHAPE))
-        self.crops = device.empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
-        self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
+        with self.lock:
+            self.crop_session = device.session(crops_graph, options())
+            self.visual = device.empty((largest, *VISUAL_SHAPE))
+            self.audio = device.empty((largest, *self.io.audio_shape))
+            self.out = device.empty((largest, *MOUTH_SHAPE))
+            self.crops = device.empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
+            self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
+            # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured); the
+            # model whose weights it holds now. Without: each model's own buffer is bound.
+            self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
         self._crop_bindings: dict[int, object] = {}
         self.users: weakref.WeakSet = weakref.WeakSet()   # its SharedRunners: in use while any lives
-        # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured); the
-        # model whose weights it holds now. Without: each model's own buffer is bound.
-        self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
         self.slot_owner: Callable[[], Optional[Weights]] = lambda: None
         self._slot_bindings: dict[int, object] = {}
         self.main_runs = dict.fromkeys(self.shapes.sizes, 0)   # the main thread's calls per size (captures)
+        self.plain: set[int] = set()            # CUDA graphs: sizes whose capture failed, run without graphs
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
 
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
         (and the largest grows the memory pool once for all), the second is the size's steady cost
-        (`call_s`); with CUDA graphs the main thread captures later (SharedRunner.run). No request runs
-        this architecture yet, so its staging buffers are free; the main thread may be running other
-        architectures meanwhile.
-        A size the device has no memory for is dropped (its batches run as calls at smaller sizes)."""
+        (`call_s`). No request runs this architecture yet, so its staging buffers are free; the main
+        thread may be running other architectures meanwhile.
+        A size the device has no memory for is dropped (its batches run as calls at smaller sizes); with
+        none left, DeviceMemoryError (the registry evicts an idle model and loads again)."""
         device, dropped = self.device, []
         for size in sorted(self.shapes.sizes, reverse=True):
-            before = device.memory_used()
             try:
-                self._warm(size, weights)
+                with self.lock:
+                    before = device.memory_used()
+                    self._warm(size, weights)
+                    grown = device.memory_used() - before
             except Exception as err:   # onnxruntime's own errors: a graph it loads but cannot run
-                text = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
-                if out_of_memory(err) and size > 1:
-                    log.warning("architecture %s: no device memory for batch %d (%s); its batches run smaller",
-                                self.architecture.key, size, text)
-                    dropped.append(size)
-                    continue
-                raise AssetError(f"the model's graph fails to run at batch {size}: {text}") from None
+                if not out_of_memory(err):
+                    raise AssetError(f"the model's graph fails to run at batch {size}: {short(err)}") from None
+                if size == self.shapes.sizes[0]:
+                    raise DeviceMemoryError(f"no device memory to run the model at batch {size}: {short(err)}") \
+                        from None
+                log.warning("architecture %s: no device memory for batch %d (%s); its batches run smaller",
+                            self.architecture.key, size, short(err))
+                dropped.append(size)
+                with self.lock:   # NOTE: its session goes now, its arena with it: bindings hold it too
+                    self._slot_bindings.pop(size, None)
+                    self._crop_bindings.pop(size, None)
+                    del self.sessions[size]
+                continue
             if not self.frame_bytes:
-                self.frame_bytes = max(device.memory_used() - before, 0) // size
+                self.frame_bytes = max(grown, 0) // size
         if dropped:
-            for size in dropped:
-                del self.sessions[size]
             self.shapes = BatchShapes(tuple(self.sessions))
+            self.main_runs = dict.fromkeys(self.shapes.sizes, 0)
 
     def _warm(self, size: int, weights: Weights) -> None:
         device, session = self.device, self.sessions[size]
@@ -138,13 +153,33 @@ class Prepared:
         else:   # (the staging buffers: no request runs this architecture before it is prepared)
             binding = session.io_binding()
             self._bind(binding, weights, size)
-        # NOTE: two runs in all, so none captures: onnxruntime keeps a graph per thread, and the main
-        # thread's replays need their own (SharedRunner.run captures them there)
-        device.run(session, binding, size)
+        # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
+        # main thread's replays need their own: `call` captures them there)
+        device.run(session, binding, size, graphs=False)
         t0 = time.perf_counter()
-        device.run(session, binding, size)
+        device.run(session, binding, size, graphs=False)
         self.call_s[size] = time.perf_counter() - t0
-        device.run(self.crop_session, self.crop_binding(size), size)
+        device.run(self.crop_session, self.crop_binding(size), size, graphs=False)
+
+    def call(self, size: int, binding) -> None:
+        """(The main thread) one call at `size`. With CUDA graphs its first calls capture, holding the
+        device's lock (the load thread's calls into the device wait meanwhile); a size whose capture fails
+        runs without graphs from then on, this call included."""
+        device, session = self.device, self.sessions[size]
+        if self.slot is None or self.main_runs[size] >= CAPTURE_RUNS:
+            device.run(session, binding, size, graphs=size not in self.plain)
+            return
+        with self.lock:
+            try:
+                device.run(session, binding, size, graphs=size not in self.plain)
+            except Exception as err:   # onnxruntime's own errors: a graph it runs but cannot capture
+                if size in self.plain:
+                    raise
+                log.warning("architecture %s: CUDA graph capture at batch %d failed (%s); that size runs without "
+                            "graphs", self.architecture.key, size, short(err))
+                self.plain.add(size)
+                device.run(session, binding, size, graphs=False)
+        self.main_runs[size] += 1
 
     def slot_binding(self, size: int):
         """(CUDA graphs) the one binding at `size`: the weight slot and the staging buffers, made once."""
@@ -229,7 +264,7 @@ class SharedRunner:
                 np.stack(crops[step.start:step.end], out=host[:rows])
                 host[rows:] = 0
                 device.upload(p.crops[:step.size], host)
-                device.run(p.crop_session, p.crop_binding(step.size), step.size)
+                device.run(p.crop_session, p.crop_binding(step.size), step.size, graphs=False)   # (made without)
             else:
                 device.upload(p.visual[:rows], frames(step.start, step.end))
                 if step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
@@ -237,14 +272,7 @@ class SharedRunner:
             device.upload(p.audio[:rows], audio[step.start:step.end])
             if step.padding:
                 device.zero(p.audio[rows:step.size])
-            if p.slot is not None and p.main_runs[step.size] < CAPTURE_RUNS:
-                # NOTE: a capture fails when another thread calls CUDA meanwhile (cudaStreamCaptureModeGlobal):
-                # the load thread's work on the device holds this lock; once per size, so a wait is rare
-                with p.lock:
-                    device.run(p.sessions[step.size], self._binding(step.size), step.size)
-                p.main_runs[step.size] += 1
-            else:
-                device.run(p.sessions[step.size], self._binding(step.size), step.size)
+            p.call(step.size, self._binding(step.size))
             device.download(p.out[:rows], out[step.start:step.end])
 
 
@@ -257,19 +285,32 @@ class Architectures:
         self._options = (threads, tensorrt, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
-        self.device_lock = threading.Lock()   # the load thread's work on the device (gpu_actor: CUDA graphs)
 
     def load(self, path: Path, model: str = "") -> SharedRunner:
         """(The load thread) a model's runner: its weights uploaded, its architecture prepared first if new."""
         split = split_model(path)
-        with self.device_lock:
-            # NOTE: here, not where a model is evicted: cudaFree waits for the whole device, and the main
-            # thread must not wait for a load; before the load (evicted models' weights, for this one's
-            # and onnxruntime's allocations) and after it (its warm-up buffers)
+        # NOTE: here, not where a model is evicted: cudaFree waits for the whole device, and the main
+        # thread must not wait for a load; before the load (evicted models' weights, for this one's
+        # and onnxruntime's allocations) and after it (its warm-up buffers)
+        with self.device.lock:
             self.device.release()
+        try:
             runner = self._load(path, model, split)
+        except BaseException as err:
+            with self.device.lock:
+                # NOTE: what the failed load made (sessions, buffers) goes now, under the lock, not
+                # whenever the error's frames are dropped
+                traceback.clear_frames(err.__traceback__)
+                self.device.release()
+            raise
+        with self.device.lock:
             self.device.release()
         return runner
+
+    def _weights(self, architecture: Architecture, model: str, split: Split) -> Weights:
+        arrays = architecture.weights_of(model, split)
+        with self.device.lock:
+            return Weights(self.device, architecture, arrays)
 
     def _load(self, path: Path, model: str, split: Split) -> SharedRunner:
         key = split.architecture.key   # NOTE: fp32's key also for fp16: every model of it converts alike
@@ -278,9 +319,8 @@ class Architectures:
         if prepared is None:
             check_convolutions(split.architecture, path)
             architecture = self._fp16(path, split) if self.precision == "fp16" else split.architecture
-            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs,
-                                lock=self.device_lock)
-            weights = Weights(self.device, architecture, architecture.weights_of(model or str(path), split))
+            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs)
+            weights = self._weights(architecture, str(path), split)
             prepared.prepare(weights)
             log.info("architecture %s (from %s) prepared at batch sizes %s: %.0f frames/s at best, %.1f MB a frame",
                      key, path, prepared.shapes.sizes, prepared.frames_per_s(), prepared.frame_bytes / 1e6)
@@ -288,8 +328,7 @@ class Architectures:
                 self._forget_idle()
                 self.prepared[key] = prepared
         else:
-            weights = Weights(self.device, prepared.architecture,
-                              prepared.architecture.weights_of(model or str(path), split))
+            weights = self._weights(prepared.architecture, str(path), split)
         return SharedRunner(prepared, weights, path)
 
     def _fp16(self, path: Path, split: Split) -> Architecture:
@@ -322,18 +361,18 @@ class Architectures:
     def _probe(self, architecture: Architecture, weights: list, inputs: Optional[dict]) -> dict:
         """Run `architecture` once on this device (a batch of 2, a session of its own): {"out": mouths},
         and the probe's inputs the first time (None): random frames, seeded."""
-        import onnxruntime as ort
         threads, _, spin = self._options
-        session = ort.InferenceSession(architecture.graph, session_options(threads, spin),
-                                       providers=self.device.providers())
         names = set(architecture.weights)
-        feeds = [i for i in session.get_inputs() if i.name not in names]
-        if inputs is None:
-            rng = np.random.default_rng(0)
-            inputs = {i.name: rng.random((2, *[d if isinstance(d, int) else 1 for d in i.shape[1:]]), dtype=np.float32)
-                      for i in feeds}
-        out = session.run(None, {**{k: v for k, v in inputs.items() if k != "out"},
-                                 **dict(zip(architecture.weights, weights))})[0]
+        with self.device.lock:
+            session = self.device.session(architecture.graph, session_options(threads, spin))
+            feeds = [i for i in session.get_inputs() if i.name not in names]
+            if inputs is None:
+                rng = np.random.default_rng(0)
+                inputs = {i.name: rng.random((2, *[d if isinstance(d, int) else 1 for d in i.shape[1:]]),
+                                             dtype=np.float32) for i in feeds}
+            out = self.device.infer(session, {**{k: v for k, v in inputs.items() if k != "out"},
+                                              **dict(zip(architecture.weights, weights))})[0]
+            del session   # NOTE: freed under the lock too
         return {**inputs, "out": out}
 
     def _forget_idle(self) -> None:

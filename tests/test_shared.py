@@ -236,9 +236,23 @@ def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_
 
 
 def test_every_device_has_all_the_runners_and_the_registry_ask_of_one():
-    """CudaDevice runs only where there is a card: a method it lacks would fail the first GPU run."""
+    """CudaDevice runs only where there is a card: a method it lacks, or one called with parameters it
+    does not take, would fail the first GPU run. Each method's parameters are the protocol's, by name and
+    order; each attribute is set on the class or by its constructor."""
+    import inspect
+
     from gpu_actor.device import CpuDevice, CudaDevice, Device
-    wanted = [name for name in dir(Device) if not name.startswith("_")] + list(Device.__annotations__)
+    methods = {name: inspect.signature(getattr(Device, name)) for name in dir(Device)
+               if not name.startswith("_") and callable(getattr(Device, name))}
+    attributes = list(Device.__annotations__)
     for cls in (CpuDevice, StandInDevice, CudaDevice):
-        missing = [name for name in wanted if not hasattr(cls, name) and name not in ("name",)]
-        assert not missing, f"{cls.__name__} lacks {missing}"
+        for name, want in methods.items():
+            assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}"
+            got = inspect.signature(getattr(cls, name))
+            assert list(got.parameters) == list(want.parameters), f"{cls.__name__}.{name}{got}, the protocol: {want}"
+            defaults = [p.default for p in want.parameters.values()]
+            assert [p.default for p in got.parameters.values()] == defaults, f"{cls.__name__}.{name}{got} vs {want}"
+        constructors = "".join(inspect.getsource(c.__init__) for c in cls.__mro__[:-1] if "__init__" in vars(c))
+        for name in attributes:
+            assert any(name in vars(c) for c in cls.__mro__) or f"self.{name} =" in constructors or \
+                f"self.{name}," in constructors, f"{cls.__name__} has no {name}"

@@ -1,0 +1,241 @@
+"""What a first card would meet on the GPU path, shown on the CPU through the stand-in device (and a few
+fakes built on it where only a card fails so): a CUDA-graph capture that fails, a session that would run
+on another provider, a load the device has no memory for, the load thread's hold on the device, the
+threads a prepared architecture costs, a size dropped for memory, and a GPU worker on cuda:N touching
+GPU 0."""
+
+from __future__ import annotations
+
+import ast
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from gpu_actor.device import DeviceError, StandInDevice, new_session, out_of_memory
+from gpu_actor.model_builder import write_model
+from gpu_actor.registry import Registry
+from gpu_actor.runner import ModelRunner, session_options
+from gpu_actor.shared import CAPTURE_RUNS, Architectures
+from tests.helpers import ROOT
+
+MAX_BATCH = 4
+
+
+def _inputs(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 6, 320, 320), dtype=np.float32), rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
+
+
+def _cpu(path: Path, n: int) -> np.ndarray:
+    out = np.empty((n, 3, 320, 320), np.float32)
+    ModelRunner(path).run(*_inputs(n), out)
+    return out
+
+
+class CaptureFails(StandInDevice):
+    """A card whose CUDA-graph capture fails at `size` (a graph onnxruntime runs but cannot capture):
+    a run that may capture raises, as onnxruntime's does; a plain run (graphs=False) works."""
+
+    def __init__(self, size: int):
+        super().__init__(0.0)
+        self.size, self.plain_runs = size, 0
+
+    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+        if graphs and size == self.size:
+            raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
+        self.plain_runs += not graphs
+        super().run(session, binding, size, graphs)
+
+
+def test_a_size_whose_cuda_graph_capture_fails_runs_plainly_and_the_model_serves(tmp_path):
+    path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
+    device = CaptureFails(size=2)
+    runner = Architectures(device, MAX_BATCH, 0, False, False, graphs=True).load(path)
+    prepared = runner.prepared
+    assert prepared.slot is not None and not prepared.plain
+    for n in (2, 2, 1, 2):
+        out = np.empty((n, 3, 320, 320), np.float32)
+        runner.run(*_inputs(n), out)
+        np.testing.assert_allclose(out, _cpu(path, n), rtol=0, atol=1e-6)
+    assert prepared.plain == {2}   # the other sizes keep their graphs
+
+
+def test_the_load_thread_never_captures_and_the_main_thread_captures_under_the_devices_lock(tmp_path):
+    """onnxruntime keeps a CUDA graph per thread and captures inside the first run of a thread unless
+    the run opts out: the load thread's warm-up runs opt out (graphs=False); the main thread's first
+    CAPTURE_RUNS calls at a size run holding the device's lock, so no call of the load thread into the
+    device breaks the capture."""
+    calls: list[tuple[object, int, bool, bool]] = []
+
+    class Recording(StandInDevice):
+        def run(self, session, binding, size: int, graphs: bool = True) -> None:
+            calls.append((session, size, graphs, self.lock.locked()))
+            super().run(session, binding, size, graphs)
+
+    path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
+    runner = Architectures(Recording(0.0), MAX_BATCH, 0, False, False, graphs=True).load(path)
+    prepared = runner.prepared
+    models = set(prepared.sessions.values())
+    warm = [(size, graphs, locked) for session, size, graphs, locked in calls if session in models]
+    assert sorted(warm) == sorted([(size, False, True) for size in prepared.shapes.sizes] * 2)
+    calls.clear()
+    for _ in range(CAPTURE_RUNS + 2):
+        runner.run(*_inputs(3), np.empty((3, 3, 320, 320), np.float32))
+    main = [(graphs, locked) for session, size, graphs, locked in calls if session is prepared.sessions[4]]
+    assert main == [(True, True)] * CAPTURE_RUNS + [(True, False)] * 2
+
+
+def test_a_session_that_would_run_on_the_cpu_instead_of_the_gpu_is_refused_and_named(tmp_path):
+    """onnxruntime's Python wrapper makes a CPU session when the CUDA provider is missing or its session
+    cannot be made there: every session of a GPU worker is checked (here the CUDA provider is missing)."""
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this host has the CUDA provider: tests/test_gpu.py checks its sessions")
+    path = write_model(tmp_path / "m.onnx", kind="tiny")
+    with pytest.raises(DeviceError, match="cannot use cuda:0: its CUDA provider did not load"):
+        new_session(str(path), session_options(0, False), [("CUDAExecutionProvider", {"device_id": 0})], "cuda:0")
+
+
+class NoMemoryOnce(StandInDevice):
+    """A card with no memory for a new architecture's first call at batch 1 until something is freed."""
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.full = False
+
+    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+        if self.full and size == 1:
+            self.full = False
+            raise RuntimeError("CUDNN_STATUS_ALLOC_FAILED: cudnnConvolutionForward failed")
+        super().run(session, binding, size, graphs)
+
+
+def test_out_of_memory_at_a_new_architectures_first_call_evicts_an_idle_model_and_loads_again(tmp_path):
+    paths = {"idle": write_model(tmp_path / "idle.onnx", kind="tiny", seed=1),
+             "new": write_model(tmp_path / "new.onnx", kind="tiny", audio="hubert", seed=2)}   # another architecture
+    events: list = []
+    device = NoMemoryOnce()
+    reg = Registry(device, 8, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]), lambda: None,
+                   max_batch=2)
+
+    def load(model: str) -> list:
+        reg.start_load(model)
+        results = []
+        while not results:
+            reg.loading[model].result(300)
+            results = reg.poll_loads()
+        return results
+
+    assert load("idle")[0].error is None
+    device.full = True
+    result = load("new")[0]
+    assert result.error is None and "new" in reg.loaded, result.error
+    assert ("idle", "evicted") in events and "idle" not in reg.loaded
+    reg.close()
+
+
+def test_out_of_memory_is_told_by_cudnn_and_cublas_too():
+    for text in ("CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation",
+                 "Failed to allocate memory for requested buffer of size 123", "CUDA failure 2: out of memory"):
+        assert out_of_memory(RuntimeError(text)), text
+    assert out_of_memory(MemoryError()) and not out_of_memory(RuntimeError("Invalid input shape"))
+
+
+class NoMemoryAbove(StandInDevice):
+    """A card with memory for calls of up to `limit` frames."""
+
+    def __init__(self, limit: int):
+        super().__init__(0.0)
+        self.limit = limit
+
+    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+        if size > self.limit:
+            raise RuntimeError(f"Failed to allocate memory for requested buffer of size {size << 30}")
+        super().run(session, binding, size, graphs)
+
+
+def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_smaller(tmp_path):
+    import gc
+    import weakref
+    made: list = []
+
+    class Recording(NoMemoryAbove):
+        def session(self, *args, **kwargs):
+            session = super().session(*args, **kwargs)
+            made.append(weakref.ref(session._sess))   # (onnxruntime's own session: an IO binding holds it)
+            return session
+
+    path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
+    runner = Architectures(Recording(2), 8, 0, False, False, graphs=True).load(path)
+    assert runner.prepared.shapes.sizes == (1, 2)
+    gc.collect()
+    alive = [ref() for ref in made if ref() is not None]
+    assert len(alive) == len(runner.prepared.sessions) + 1, "a dropped size's session is still alive"
+    out = np.empty((5, 3, 320, 320), np.float32)
+    runner.run(*_inputs(5), out)
+    np.testing.assert_allclose(out, _cpu(path, 5), rtol=0, atol=1e-6)
+
+
+def test_out_of_memory_at_the_smallest_size_is_an_out_of_memory_for_the_registry(tmp_path):
+    paths = {"m": write_model(tmp_path / "m.onnx", kind="tiny")}
+    reg = Registry(NoMemoryAbove(0), 8, 0, "lru", 0, 1, False, paths.get, lambda *e: None, lambda: None,
+                   max_batch=2)
+    reg.start_load("m")
+    reg.loading["m"].result(60)
+    (result,) = reg.poll_loads()   # no idle model to evict: the load fails, saying what to do
+    assert result.runner is None and result.code == "overloaded", result
+    assert "no device memory" in result.error
+    reg.close()
+
+
+def test_a_prepared_architecture_costs_no_idle_threads(tmp_path):
+    """On a card a session's intra-op pool (a thread per core by default) only waits: the device's
+    sessions run on the calling thread. The stand-in's do as a card's."""
+    archs = Architectures(StandInDevice(0.0), 16, 0, False, False)
+    archs.load(write_model(tmp_path / "first.onnx", kind="tiny"))   # (onnxruntime's own start-up threads)
+    before = psutil.Process().num_threads()
+    runner = archs.load(write_model(tmp_path / "m.onnx", kind="tiny", audio="hubert"))
+    assert len(archs.prepared) == 2
+    sessions = len(runner.prepared.sessions) + 1
+    grown = psutil.Process().num_threads() - before
+    assert grown < sessions, f"{grown} threads more for {sessions} sessions"
+
+
+def test_the_load_thread_holds_the_device_for_one_call_at_a_time_never_a_whole_load(tmp_path):
+    """A new architecture's load runs many stalling first calls; the main thread (a capture) gets the
+    device's lock within about one of them, not after the whole load."""
+    stall = 0.3
+    path = write_model(tmp_path / "m.onnx", kind="tiny")
+    device = StandInDevice(stall)
+    archs = Architectures(device, 8, 0, False, False)
+    loader = threading.Thread(target=archs.load, args=(path,))
+    t0 = time.monotonic()
+    loader.start()
+    waits = []
+    while loader.is_alive():
+        t = time.monotonic()
+        with device.lock:
+            waits.append(time.monotonic() - t)
+        time.sleep(stall / 3)
+    load_s = time.monotonic() - t0
+    assert load_s >= 2 * 4 * stall   # four sizes, a model call and a crops call each, all stalling
+    assert max(waits) < load_s / 2 and max(waits) <= 3 * stall, (max(waits), load_s)
+
+
+def test_no_gpu_code_switches_devices_through_cupys_context_manager():
+    """cupy's `with Device(n)` sets the previous device back on exit, and since CUDA 12 making device 0
+    current creates its context: a worker on cuda:1 would hold ~500 MB of GPU 0 (CudaDevice.bind_thread
+    sets each thread's device once instead)."""
+    offenders = []
+    for path in sorted((ROOT / "gpu_actor").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.With):
+                for item in node.items:
+                    call = item.context_expr
+                    if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("cuda.Device"):
+                        offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
