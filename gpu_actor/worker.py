@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Optional, Union
 
@@ -23,8 +23,9 @@ from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.device import make_device
+from gpu_actor.encoder import AudioEncoders
 from gpu_actor.registry import Registry
-from gpu_actor.runner import check_device, make_session
+from gpu_actor.runner import check_device
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -36,7 +37,6 @@ from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
 IDLE_TICK_MS = 1000
-FEATURES_CACHE = 20_000   # encoder outputs kept for live sessions (2 KB each)
 
 
 class InferenceWorker:
@@ -71,16 +71,15 @@ class InferenceWorker:
             device.pin(ring.data())
         self.registry = Registry(device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
                                  inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, self._wake, inf.spin_threads, companions=self._warm_encoder,
+                                 self._model_event, self._wake, inf.spin_threads, companions=self._load_encoder,
                                  batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device,
                                  max_batch=config.limits.max_batch, precision=inf.precision,
                                  cuda_graphs=inf.cuda_graphs)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
-        self._encoders: dict[Path, tuple] = {}   # audio encoder file -> (session, input name)
-        self._encoders_lock = threading.Lock()   # the load thread fills it too
-        self._features_cache: OrderedDict[tuple, np.ndarray] = OrderedDict()   # (utterance, input) -> [512]
+        self.encoders = AudioEncoders(self.registry.device, config.limits.max_batch, inf.intra_op_threads,
+                                      inf.spin_threads)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
@@ -276,63 +275,20 @@ class InferenceWorker:
             rows = np.asarray(task.rows, np.int64)
             if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
                 raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
-            return A.windows_from_rows(self._features(task, audio), rows)
+            features = self.encoders.features(task.model, task.utterance, task.first_input, audio)
+            return A.windows_from_rows(features, rows)
         if audio.dtype != np.int16:
             return audio
-        encoder, name = self._encoder(task.model)
-        inputs = A.encoder_inputs(A.melspectrogram(audio.astype(np.float32) / 32768.0))
-        windows = A.frame_windows(encoder.run(None, {name: inputs})[0])
+        windows = self.encoders.windows(task.model, audio)
         if len(windows) != task.batch:
             raise AssetError(f"model {task.model}: the PCM gives {len(windows)} frames, the request has {task.batch}")
         return windows
 
-    def _features(self, task: InferTask, inputs: np.ndarray) -> np.ndarray:
-        """Encoder outputs of a session's inputs. Consecutive frames share 15 of their 16 window rows:
-        each (utterance, input number) is encoded once here and kept (bounded, least recently used out)."""
-        keys = [(task.utterance, task.first_input + j) for j in range(len(inputs))]
-        missing = [j for j, key in enumerate(keys) if key not in self._features_cache] if task.utterance else \
-            list(range(len(inputs)))
-        if missing:
-            encoder, name = self._encoder(task.model)
-            computed = encoder.run(None, {name: np.ascontiguousarray(inputs[missing])})[0]
-            for j, row in zip(missing, computed):
-                self._features_cache[keys[j]] = row
-            while len(self._features_cache) > FEATURES_CACHE:
-                self._features_cache.popitem(last=False)
-        for key in keys:
-            self._features_cache.move_to_end(key)
-        return np.stack([self._features_cache[key] for key in keys])
-
-    def _encoder(self, model: str):
-        """The model's audio encoder session, loaded once per file and shared by the models that use it."""
+    def _load_encoder(self, model: str) -> None:
+        """(The load thread) a model with an audio encoder loads and warms it with the model, so a live
+        session's first PCM meets no new session or shape on this worker's main thread."""
         paths = model_paths(self.config, model)
-        path = paths.audio_encoder if paths is not None else None
-        if path is None:
-            raise AssetError(f"model {model} has no audio encoder: put audio_encoder.onnx in its directory or set "
-                             "audio.encoder")
-        with self._encoders_lock:
-            found = self._encoders.get(path)
-            if found is None:
-                inf = self.config.inference
-                session = make_session(path, self.device, inf.intra_op_threads, spin=inf.spin_threads)
-                found = self._encoders[path] = (session, session.get_inputs()[0].name)
-        return found
-
-    def _warm_encoder(self, model: str) -> None:
-        """(The load thread) a model with an audio encoder loads it with the model and runs it once, so
-        a live session's first PCM does not pay for either on this worker's main thread."""
-        paths = model_paths(self.config, model)
-        if paths is None or paths.audio_encoder is None:
-            return
-        with self._encoders_lock:
-            warm = paths.audio_encoder in self._encoders
-        if warm:
-            return
-        try:
-            session, name = self._encoder(model)
-            session.run(None, {name: np.zeros(A.ENCODER_INPUT_SHAPE, np.float32)[None]})
-        except Exception as err:   # its PCM requests will fail with their own error; windows still work
-            log.warning("model %s: its audio encoder %s did not load: %s", model, paths.audio_encoder, err)
+        self.encoders.load(model, paths.audio_encoder if paths is not None else None)
 
     def _visual_input(self, task: InferTask) -> Union[np.ndarray, VisualFrames]:
         """The client's visual input, or the avatar's crops (fetched now), built per call as the model runs."""
