@@ -1,6 +1,6 @@
 """gpu_actor/ owns inference: one process per GPU worker (or CPU provider), the multi-tenant model
 registry, the devices (CPU, CUDA, the stand-in that runs the GPU path on the CPU), the GPU path's
-prepared batch sizes and shared architectures, the unet_328-shaped model builder.
+prepared batch sizes and shared architectures, the audio encoders, the unet_328-shaped model builder.
 
 May import: shm, config. Never cpu_actor, frontend or supervisor.
 """
