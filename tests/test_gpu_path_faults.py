@@ -1,8 +1,7 @@
 """What a first card would meet on the GPU path, shown on the CPU through the stand-in device (and a few
 fakes built on it where only a card fails so): a CUDA-graph capture that fails, a session that would run
-on another provider, a load the device has no memory for, the load thread's hold on the device, the
-threads a prepared architecture costs, a size dropped for memory, and a GPU worker on cuda:N touching
-GPU 0."""
+on another provider, a load the device has no memory for, the load thread's hold on the device, a size
+dropped for memory, and a GPU worker on cuda:N touching GPU 0."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from gpu_actor.device import DeviceError, StandInDevice, new_session, out_of_memory
@@ -190,19 +188,6 @@ def test_out_of_memory_at_the_smallest_size_is_an_out_of_memory_for_the_registry
     assert result.runner is None and result.code == "overloaded", result
     assert "no device memory" in result.error
     reg.close()
-
-
-def test_a_prepared_architecture_costs_no_idle_threads(tmp_path):
-    """On a card a session's intra-op pool (a thread per core by default) only waits: the device's
-    sessions run on the calling thread. The stand-in's do as a card's."""
-    archs = Architectures(StandInDevice(0.0), 16, 0, False, False)
-    archs.load(write_model(tmp_path / "first.onnx", kind="tiny"))   # (onnxruntime's own start-up threads)
-    before = psutil.Process().num_threads()
-    runner = archs.load(write_model(tmp_path / "m.onnx", kind="tiny", audio="hubert"))
-    assert len(archs.prepared) == 2
-    sessions = len(runner.prepared.sessions) + 1
-    grown = psutil.Process().num_threads() - before
-    assert grown < sessions, f"{grown} threads more for {sessions} sessions"
 
 
 def test_the_load_thread_holds_the_device_for_one_call_at_a_time_never_a_whole_load(tmp_path):

@@ -68,7 +68,10 @@ def test_to_fp16_keeps_float32_io_and_stays_close(tmp_path, kind):
              "audio": rng.standard_normal((1, *AUDIO_SHAPES["ave"])).astype(np.float32)}
     want = _session(model, tmp_path / "fp32.onnx").run(None, feeds)[0]
     got = _session(converted, tmp_path / "fp16.onnx").run(None, feeds)[0]
-    assert got.dtype == np.float32 and np.abs(got - want).max() <= 1e-2
+    # float16's rounding shows (the weights really changed type), within ~4x of what was measured
+    # (tiny 3.8e-5, unet328 5.3e-4 at most, on the CPU provider)
+    error = float(np.abs(got - want).max())
+    assert got.dtype == np.float32 and 0 < error <= {"tiny": 2e-4, "unet328": 2e-3}[kind], error
 
 
 def test_a_model_that_cannot_convert_comes_back_unchanged_with_a_warning():

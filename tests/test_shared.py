@@ -91,17 +91,33 @@ def test_a_shared_session_with_the_weights_bound_per_call_computes_what_the_mode
 
 
 def test_the_visual_input_built_per_call_and_padding_rows_left_by_a_larger_call_change_nothing(tmp_path):
+    """A batch of 5 runs at size 8: its rows 5..7 are zeros in every staging buffer (crops, visual, audio),
+    whatever a call of 8 left there, crops or float visuals; and its mouths are the model's own."""
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=5)
     runner = Architectures(StandInDevice(0.0), 8, 0, False, False).load(path)
+    p = runner.prepared
     rng = np.random.default_rng(1)
-    crops = [rng.integers(0, 256, (328, 328, 3), dtype=np.uint8) for _ in range(5)]
+    crops = [rng.integers(1, 256, (328, 328, 3), dtype=np.uint8) for _ in range(8)]
     visual = np.empty((5, 6, 320, 320), np.float32)
-    build_visual(crops, visual)
+    build_visual(crops[:5], visual)
     _, audio = _inputs(5)
-    runner.run(*_inputs(8, seed=9), np.empty((8, 3, 320, 320), np.float32))   # leaves rows 5..7 full
-    got, want = np.empty((5, 3, 320, 320), np.float32), np.empty((5, 3, 320, 320), np.float32)
-    runner.run(VisualFrames(crops, np.empty((8, 6, 320, 320), np.float32)), audio, got)
+
+    def dirty() -> None:   # calls of 8: every staging row holds something
+        runner.run(VisualFrames(crops, np.empty((8, 6, 320, 320), np.float32)), _inputs(8, seed=9)[1],
+                   np.empty((8, 3, 320, 320), np.float32))
+        runner.run(*_inputs(8, seed=9), np.empty((8, 3, 320, 320), np.float32))
+        assert p.visual[5:].any() and p.audio[5:].any() and p.crops[5:].any() and p.crops_host[5:].any()
+
+    want = np.empty((5, 3, 320, 320), np.float32)
     ModelRunner(path).run(visual, audio, want)
+    dirty()
+    got = np.empty((5, 3, 320, 320), np.float32)
+    runner.run(VisualFrames(crops[:5], np.empty((8, 6, 320, 320), np.float32)), audio, got)
+    assert not (p.crops_host[5:].any() or p.crops[5:].any() or p.visual[5:].any() or p.audio[5:].any())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    dirty()
+    runner.run(visual, audio, got)
+    assert not (p.visual[5:].any() or p.audio[5:].any())
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
