@@ -3,6 +3,7 @@ close, disconnect, a killed inference worker, a client that does not read, admis
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -351,34 +352,62 @@ def test_a_host_past_its_cpu_share_answers_busy_and_its_sessions_go_on(models, t
 
 def test_after_200_opens_and_closes_all_of_max_sessions_open_again(models, tmp_path):
     """Sessions opened and closed in a row, with one session open throughout (each open loads and warms
-    up its model and renders its first idle frames; an idle JPEG session held costs little): their
-    opening is not taken for the cost of a session held. Then sessions.max_sessions idle sessions open
-    again one after another: a refusal may say their cost is not measured yet (every window so far had
-    opens in it; the client waits as the server says), never that the cores are full."""
-    cfg = base_config(models, sessions={"max_sessions": 25, "max_queued_frames": 10})
-    refusals: list = []
+    up its model and renders its first idle frames; an idle JPEG session held costs little), paced over
+    several of the capacity sampler's windows so that the server measures them while they go on.
 
-    def opened(deadline: float) -> Session:
+    Their opening is not taken for the cost of a session held, and while that cost is not measured (every
+    window had opens in it) the ramp counts only the sessions still open: more than the ramp lets in per
+    window are opened and closed within one window, and none is refused. Then sessions.max_sessions idle
+    sessions open again one after another: a refusal may say their cost is not measured yet, and only
+    once as many as the ramp lets in are open (the client waits as the server says), never that the
+    cores are full."""
+    from frontend.live.capacity import RAMP, Capacity, host_cores
+    # the server's Capacity measures over its default window; the server runs on (at most) two of this
+    # host's cores, so that the ramp (RAMP a core) is below what the churn opens in a window on any host
+    window_s = inspect.signature(Capacity).parameters["window_s"].default
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    ramp = max(round(RAMP * min(len(cpus), host_cores())), 1)
+    churn, windows = 200, 4
+    cfg = base_config(models, sessions={"max_sessions": 25, "max_queued_frames": 10})
+    refusals: list = []   # (the refusal, sessions open then)
+
+    def opened(deadline: float, open_now: int) -> Session:
         while True:
             try:
                 return Session(srv.endpoint, "a", format="jpeg")
             except ServerError as err:
                 assert err.code == "busy" and time.monotonic() < deadline, (err, refusals)
-                refusals.append(err)
+                refusals.append((err, open_now))
                 time.sleep(err.retry_after_s)   # as the server says
 
-    with run_server(tmp_path, cfg) as srv, Session(srv.endpoint, "a", format="jpeg"):
-        deadline = time.monotonic() + 60
-        for _ in range(200):
-            opened(deadline).__exit__(None, None, None)
+    with run_server(tmp_path, cfg, prefix=("taskset", "-c", ",".join(map(str, cpus)))) as srv, \
+            Session(srv.endpoint, "a", format="jpeg"):
+        # the churn over `windows` of the sampler's windows, (sent, answered) for each open let in
+        start, times, churn_refused = time.monotonic(), [], []
+        for i in range(churn):
+            # NOTE: on a schedule, not a sleep after each: a slow open does not slow the churn's pace
+            time.sleep(max(start + i * windows * window_s / churn - time.monotonic(), 0.0))
+            sent = time.monotonic()
+            try:
+                with Session(srv.endpoint, "a", format="jpeg"):
+                    times.append((sent, time.monotonic()))
+            except ServerError as err:
+                churn_refused.append((i, err))
+        assert not churn_refused, f"{len(churn_refused)} of the churn's opens refused (with at most 2 sessions open; " \
+                                  f"the ramp lets in {ramp}), the first: {churn_refused[0]}"
+        fastest = min(times[i + ramp][1] - times[i][0] for i in range(churn - ramp))
+        assert fastest < window_s, f"the churn let in {ramp + 1} opens in {fastest:.2f} s at best: not within " \
+                                   f"one {window_s:g} s window, so it cannot show the ramp's pace"
         held = []
         try:
+            deadline = time.monotonic() + 60
             while len(held) < cfg["sessions"]["max_sessions"] - 1:
-                held.append(opened(deadline))
+                held.append(opened(deadline, len(held) + 1))
         finally:
             for s in held:
                 s.__exit__(None, None, None)
-        assert not [err for err in refusals if "measured" not in err.message], refusals
+    assert not [err for err, _ in refusals if "measured" not in err.message], refusals
+    assert all(open_now >= ramp for _, open_now in refusals), (ramp, refusals)
 
 
 def test_the_avatar_sdk_waits_for_room_on_a_full_server_as_the_server_says(models, tmp_path):
