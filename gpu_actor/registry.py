@@ -103,6 +103,20 @@ class Registry:
     def _held(self, model: str) -> bool:
         return bool(self.busy[model] or self.pins[model])
 
+    def queued(self, model: str) -> None:
+        """A task for `model` came: it is held (never evicted) until `finished`."""
+        self.busy[model] += 1
+
+    def finished(self, model: str) -> None:
+        self.busy[model] -= 1
+
+    def pin(self, model: str) -> None:
+        """A live session needs `model` here: held until as many `unpin`s."""
+        self.pins[model] += 1
+
+    def unpin(self, model: str) -> None:
+        self.pins[model] = max(self.pins[model] - 1, 0)
+
     def stat(self, model: str) -> ModelStats:
         return self.stats.setdefault(model, ModelStats())
 

@@ -27,7 +27,7 @@ from config import Config
 from config.geometry import MOUTH_SHAPE, mouths_from_uint8, valid_model_id
 from config.keys import make_client
 from gpu_actor.discovery import SlotWatcher, parse_dns_device
-from gpu_actor.worker import hand_off
+from gpu_actor.handoff import acquire_slot, hand_off
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket, network_socket
@@ -77,6 +77,9 @@ class RemoteWorker:
         self._next_report = 0.0
         self._host_stopping = False   # the host said it is shutting down (a Pong's `draining`, its Goodbye)
         self._stopping = False
+        self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
+                          StatsQuery: lambda m: self._send_host([pack(m)]),   # the host answers for all its workers
+                          LoadModel: self._model_op, UnloadModel: self._model_op, ResetRequests: self._reset}
 
     def stop(self) -> None:
         self._stopping = True
@@ -199,41 +202,45 @@ class RemoteWorker:
                                                 device=device)))
 
     def _from_frontend(self, msg) -> None:
-        if isinstance(msg, InferTask):
-            if self._host_stopping:
-                self._done(msg.req, ErrorCode.UNAVAILABLE, self._shutting_down())
-                return
-            not_ready = {ProcState.UNREACHABLE: "is unreachable",
-                         ProcState.STARTING: "has no ready inference worker",
-                         ProcState.VACANT: "(a DNS slot) has no host behind it"}.get(self.state)
-            if not_ready:
-                self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
-                return
-            budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
-            frames = [pack(RemoteInfer(
-                req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
-                visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
-                version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
-                first_input=msg.first_input))]
-            if msg.visual is not None:
-                frames.append(self.inputs.read(msg.visual))
-            frames.append(self.inputs.read(msg.audio))
-            if not self._send_host(frames):
-                self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} is not connected; retry")
-                return
-            self.pending[msg.req] = msg
-        elif isinstance(msg, ReleaseTask):
-            self.outputs.release_request(msg.req)
-        elif isinstance(msg, StatsQuery):
-            self._send_host([pack(msg)])  # the host answers for all its workers at once
-        elif isinstance(msg, (LoadModel, UnloadModel)):
-            if not self._send_host([pack(msg)]):
-                self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
-                                                    code=ErrorCode.UNAVAILABLE,
-                                                    message=f"GPU host {self.endpoint} is unreachable")))
-        elif isinstance(msg, ResetRequests):
-            self.pending.clear()
-            self.outputs.become_writer()
+        handler = self._handlers.get(type(msg))
+        if handler is None:   # (a message of another role's: a bug in the sender, never the forwarder's end)
+            log.warning("GPU host forwarder %d: no handler for %s", self.index, type(msg).__name__)
+            return
+        handler(msg)
+
+    def _infer_task(self, msg: InferTask) -> None:
+        if self._host_stopping:
+            self._done(msg.req, ErrorCode.UNAVAILABLE, self._shutting_down())
+            return
+        not_ready = {ProcState.UNREACHABLE: "is unreachable",
+                     ProcState.STARTING: "has no ready inference worker",
+                     ProcState.VACANT: "(a DNS slot) has no host behind it"}.get(self.state)
+        if not_ready:
+            self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
+            return
+        budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
+        frames = [pack(RemoteInfer(
+            req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
+            visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
+            version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
+            first_input=msg.first_input))]
+        if msg.visual is not None:
+            frames.append(self.inputs.read(msg.visual))
+        frames.append(self.inputs.read(msg.audio))
+        if not self._send_host(frames):
+            self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} is not connected; retry")
+            return
+        self.pending[msg.req] = msg
+
+    def _model_op(self, msg) -> None:   # LoadModel, UnloadModel: the host answers
+        if not self._send_host([pack(msg)]):
+            self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
+                                                code=ErrorCode.UNAVAILABLE,
+                                                message=f"GPU host {self.endpoint} is unreachable")))
+
+    def _reset(self, msg: ResetRequests) -> None:
+        self.pending.clear()
+        self.outputs.become_writer()
 
     def _done(self, req: int, code: ErrorCode, message: str) -> None:
         self.to_frontend.send(pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
@@ -288,7 +295,7 @@ class RemoteWorker:
             return
         mouths = np.frombuffer(data[0].buffer, np.uint8 if size == elements else "<f4")
         try:
-            slot = self.outputs.acquire(task.req, timeout_s=5.0, wait=self._wait_for_release)
+            slot = acquire_slot(self.outputs, task.req, 5.0, self.tasks, self._from_frontend)
         except RingError as err:
             self._done(task.req, ErrorCode.TIMEOUT, str(err))
             return
@@ -302,10 +309,6 @@ class RemoteWorker:
                                              queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
                                              input_ms=msg.input_ms)))
         hand_off(self.to_cpu, task, self.index, ref)
-
-    def _wait_for_release(self, remaining_s: float) -> None:
-        if self.tasks.poll(int(remaining_s * 1000) + 1):
-            self._from_frontend(unpack(self.tasks.recv()))
 
 
 def run_remote_worker_process(config: Config, run: RunSpec, index: int) -> None:

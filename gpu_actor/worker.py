@@ -24,15 +24,16 @@ from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
+from gpu_actor.handoff import acquire_slot, hand_off
 from gpu_actor.registry import Registry
 from gpu_actor.runner import check_device
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
-from shm.messages import (CompositeTask, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
+from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
                           ResetRequests, StatsQuery, StatsReport, UnloadModel, pack, unpack)
-from shm.ring import RingError, SlotRing, StaleHandle, TensorRef
+from shm.ring import RingError, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ class InferenceWorker:
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
+        self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
+                          LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
+                          ResetRequests: lambda m: self.outputs.become_writer()}
         self.poller = zmq.Poller()
         self.poller.register(self.tasks, zmq.POLLIN)
         self.poller.register(self._wake_rx, zmq.POLLIN)
@@ -142,36 +146,38 @@ class InferenceWorker:
         return next((t for t in self.queue if t.model in self.registry.loaded), None)
 
     def _handle(self, msg) -> None:
-        if isinstance(msg, InferTask):
-            self.registry.busy[msg.model] += 1
-            self.queue.append(msg)
-            if msg.model not in self.registry.loaded and not self.registry.start_load(msg.model):
-                self._fail_model(msg.model, "unknown_model", f"unknown model {msg.model!r}: no such entry in "
-                                 "`models` and no such directory in `models_dir`")
-        elif isinstance(msg, ReleaseTask):
-            self.outputs.release_request(msg.req)
-        elif isinstance(msg, LoadModel):
-            self._load_op(msg)
-        elif isinstance(msg, UnloadModel):
-            ok = self.registry.unload(msg.model)
-            self.to_frontend.send(pack(LoadDone(
-                req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
-                message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
-        elif isinstance(msg, StatsQuery):
-            self.to_frontend.send(pack(StatsReport(
-                req=msg.req, worker=self.index, device=self.device,
-                models={m: s.as_dict() for m, s in self.registry.stats.items()},
-                loaded=sorted(self.registry.loaded), queue=len(self.queue),
-                architectures=self.registry.architectures.describe() if self.registry.architectures else {})))
-        elif isinstance(msg, ResetRequests):
-            self.outputs.become_writer()
+        handler = self._handlers.get(type(msg))
+        if handler is None:   # (a message of another role's: a bug in the sender, never the worker's end)
+            log.warning("inference worker %d: no handler for %s", self.index, type(msg).__name__)
+            return
+        handler(msg)
+
+    def _infer_task(self, msg: InferTask) -> None:
+        self.registry.queued(msg.model)
+        self.queue.append(msg)
+        if msg.model not in self.registry.loaded and not self.registry.start_load(msg.model):
+            self._fail_model(msg.model, "unknown_model", f"unknown model {msg.model!r}: no such entry in "
+                             "`models` and no such directory in `models_dir`")
+
+    def _unload_op(self, msg: UnloadModel) -> None:
+        ok = self.registry.unload(msg.model)
+        self.to_frontend.send(pack(LoadDone(
+            req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
+            message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
+
+    def _stats(self, msg: StatsQuery) -> None:
+        self.to_frontend.send(pack(StatsReport(
+            req=msg.req, worker=self.index, device=self.device,
+            models={m: s.as_dict() for m, s in self.registry.stats.items()},
+            loaded=sorted(self.registry.loaded), queue=len(self.queue),
+            architectures=self.registry.architectures.describe() if self.registry.architectures else {})))
 
     def _load_op(self, msg: LoadModel) -> None:
         if msg.pin < 0:   # a live session closed: the model may be evicted again (no answer)
-            self.registry.pins[msg.model] = max(self.registry.pins[msg.model] - 1, 0)
+            self.registry.unpin(msg.model)
             return
         if msg.pin > 0:
-            self.registry.pins[msg.model] += 1
+            self.registry.pin(msg.model)
         if msg.model in self.registry.loaded:
             self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
                                                 load_ms=self.registry.stat(msg.model).load_ms)))
@@ -206,7 +212,7 @@ class InferenceWorker:
             self._done(task, "timeout", "the deadline passed while the model was loading")
 
     def _done(self, task: InferTask, code: str = "", message: str = "", **fields) -> None:
-        self.registry.busy[task.model] -= 1
+        self.registry.finished(task.model)
         if code:
             self.registry.stat(task.model).errors += 1
         self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
@@ -221,8 +227,8 @@ class InferenceWorker:
             self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
             return
         try:
-            slot = self.outputs.acquire(task.req, timeout_s=max(task.deadline - started, 0.001) if task.deadline else 30,
-                                        wait=self._wait_for_release)
+            slot = acquire_slot(self.outputs, task.req, max(task.deadline - started, 0.001) if task.deadline else 30,
+                                self.tasks, self._handle)
         except RingError as err:
             self._done(task, "timeout", str(err))
             return
@@ -263,11 +269,6 @@ class InferenceWorker:
                    input_ms=built * 1000)
         hand_off(self.to_cpu, task, self.index, ref)
 
-    def _wait_for_release(self, remaining_s: float) -> None:
-        """While every output slot is taken, keep handling messages: a ReleaseTask frees one."""
-        if self.tasks.poll(int(remaining_s * 1000) + 1):
-            self._handle(unpack(self.tasks.recv()))
-
     def _audio_input(self, task: InferTask) -> np.ndarray:
         """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
         audio = self.inputs.read(task.audio)
@@ -302,15 +303,6 @@ class InferenceWorker:
             crops.append(crop)
         return VisualFrames(crops, self._visual)
 
-
-
-def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:
-    """Send each chunk of a finished batch to the compositing process the frontend planned for it."""
-    for chunk in task.plan:
-        to_cpu[chunk.compositor].send(pack(CompositeTask(
-            req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
-            frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
-            deadline=task.deadline, version=task.version, due=task.due, keep=chunk.keep)))
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

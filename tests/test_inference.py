@@ -162,11 +162,11 @@ def test_busy_model_is_never_evicted(ten_models):
     reg = _registry(ten_models, "lru")
     for name in ("m0", "m1", "m2"):
         _load(reg, name)
-    reg.busy["m0"] += 1   # work queued for the least recently used model
+    reg.queued("m0")   # work queued for the least recently used model
     _load(reg, "m3")
     assert "m0" in reg.loaded and "m1" not in reg.loaded
     assert not reg.unload("m0")  # an explicit unload of a busy model is refused too
-    reg.busy["m0"] -= 1
+    reg.finished("m0")
     assert reg.unload("m0") and "m0" not in reg.loaded
     reg.close()
 
@@ -201,7 +201,7 @@ def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
                    lambda: None)
     for name in ("m0", "m1"):
         _load(reg, name)
-    reg.busy["m1"] += 1
+    reg.queued("m1")
     used = [state.last_used for state in reg.loaded.values()]   # the clock is the test's from here on
     reg.unload_idle(min(used) + 0.1)
     assert set(reg.loaded) == {"m0", "m1"}   # not idle long enough yet

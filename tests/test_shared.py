@@ -235,10 +235,10 @@ def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_
         return results[-1]
 
     assert load("a").error is None and load("b").error is None
-    reg.pins["a"] += 1                          # a live session holds a
+    reg.pin("a")                          # a live session holds a
     assert load("c").error is None              # b, idle, made room
     assert ("b", "evicted") in events and set(reg.loaded) == {"a", "c"}
-    reg.pins["c"] += 1
+    reg.pin("c")
     failed = load("d")                          # nothing idle: that load fails, the held ones stay
     assert failed.runner is None and failed.code == "overloaded" and "no memory" in failed.error, failed
     assert set(reg.loaded) == {"a", "c"}

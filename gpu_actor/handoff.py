@@ -1,0 +1,30 @@
+"""How an inference worker, local or a GPU host's forwarder (gpu_actor/worker.py, gpu_actor/remote.py),
+hands a finished batch on: an output slot for its mouths, then each chunk to the compositing process the
+frontend planned for it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import zmq
+
+from shm.messages import CompositeTask, InferTask, pack, unpack
+from shm.ring import SlotRing, TensorRef
+
+
+def acquire_slot(outputs: SlotRing, req: int, timeout_s: float, tasks: zmq.Socket, handle: Callable[[object], None]) -> int:
+    """An output slot for request `req`. While every slot is taken, the worker keeps handling its task
+    socket's messages (`handle`): a ReleaseTask frees one. RingError past `timeout_s`."""
+    def wait(remaining_s: float) -> None:
+        if tasks.poll(int(remaining_s * 1000) + 1):
+            handle(unpack(tasks.recv()))
+    return outputs.acquire(req, timeout_s=timeout_s, wait=wait)
+
+
+def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:
+    """Send each chunk of a finished batch to the compositing process the frontend planned for it."""
+    for chunk in task.plan:
+        to_cpu[chunk.compositor].send(pack(CompositeTask(
+            req=task.req, model=task.model, worker=worker, mouths=mouths, start=chunk.start, end=chunk.end,
+            frames=task.frames[chunk.start:chunk.end], format=task.format, quality=task.quality,
+            deadline=task.deadline, version=task.version, due=task.due, keep=chunk.keep)))
