@@ -218,3 +218,24 @@ def test_work_routes_itself():
                     and isinstance(node.args[0], ast.Attribute) and node.args[0].attr in ("work", "data"):
                 raise AssertionError(f"{path.relative_to(ROOT)}:{node.lineno} asks what a request's work is; "
                                      "call it instead (core.request.Work)")
+
+
+def test_onnxruntime_sessions_are_made_in_one_place():
+    """Every onnxruntime session of the server is made by gpu_actor/device.new_session: its providers
+    checked, never a quiet CPU fall-back (gpu_actor/device.py says why)."""
+    sites = []
+    for room in ROOMS:
+        for path in (ROOT / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("InferenceSession"):
+                    sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(sites) == 1 and sites[0].startswith("gpu_actor/device.py:"), sites
+
+
+def test_the_edge_forwarder_stands_on_no_inference_worker():
+    """An edge host forwards to GPU hosts: gpu_actor/remote.py imports nothing that loads models."""
+    imported = set()
+    for node in ast.walk(ast.parse((ROOT / "gpu_actor" / "remote.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert not imported & {"gpu_actor.worker", "gpu_actor.registry", "gpu_actor.shared", "gpu_actor.runner"}, imported
