@@ -37,7 +37,7 @@ def bare_per_frame(avatar: Path, rounds: int = 8) -> dict:
     backgrounds = [assets.decode(i)[0] for i in range(min(assets.n_frames, BATCH))]
     crops = [crop_328(bg, assets.rects[i]) for i, bg in enumerate(backgrounds)]
     cv2.setNumThreads(1)   # as in a compositing process
-    runner = ModelRunner(avatar / "model.onnx", "cpu", threads=1)
+    runner = ModelRunner(avatar / "model.onnx", threads=1)
     audio = np.zeros((BATCH, 32, 16, 16), np.float32)
     visual = np.empty((BATCH, 6, 320, 320), np.float32)
     mouths = np.empty((BATCH, 3, 320, 320), np.float32)

@@ -109,6 +109,41 @@ def cuda_id(device: str) -> int:
     return int(device.split(":")[1])
 
 
+def session_options(threads: int, spin: bool) -> ort.SessionOptions:
+    """Options for a session of the worker's (`inference.intra_op_threads`, `inference.spin_threads`);
+    a device may set its threads in them (Device.session)."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    if not spin:
+        # NOTE: onnxruntime's pool threads spin for a while after each run, waiting for the next one:
+        # on a host shared with compositing processes that burns the cores they need.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    return options
+
+
+_shared_cpu_arena = threading.Lock()
+_registered: list[bool] = []
+
+
+def share_cpu_arena(options: ort.SessionOptions) -> None:
+    """Make the session's CPU memory come from one arena for the whole process (registered once), not
+    an arena of its own: a real-size unet_328 session's arena keeps ~220 MiB of activations (for 46 MiB
+    of weights) once it has run, and each of a worker's models kept its own. Measured with 3 models, one
+    frame per call: 47-76 MiB more a model against 219-232, the same ms a frame (docs/benchmarks.md)."""
+    import onnxruntime as ort
+    with _shared_cpu_arena:
+        if not _registered:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+            _registered.append(True)
+    options.add_session_config_entry("session.use_env_allocators", "1")
+
+
 class DeviceLock:
     """A lock taken in turn (first come, first served): the load thread takes it around each of its calls
     into the device, one after another; a plain Lock would let it take the lock back at once after each,
@@ -142,6 +177,9 @@ class Device(Protocol):
     shared_weights: bool   # one prepared session per architecture, weights bound per call
     batched: bool          # calls of many frames (else one frame per call)
     lock: DeviceLock       # the load thread's calls into the device; the main thread's CUDA-graph captures
+    precisions: tuple[str, ...]   # the inference.precision values it runs
+
+    def check(self) -> None: ...
 
     def providers(self, tensorrt: bool = False, graphs: bool = False) -> list: ...
     def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
@@ -170,6 +208,10 @@ class CpuDevice:
     name = "cpu"
     shared_weights = False     # per-model sessions: faster per frame on the CPU provider (module docstring)
     batched = False            # one frame per call
+    # NOTE: fp16 loads on the CPU provider, but onnxruntime puts Casts back to float32 around every op it
+    # has no float16 CPU kernel for (all of unet_328's): float32 arithmetic with the weights rounded,
+    # about 10% slower per frame than fp32 (measured on a 2-core x86 host)
+    precisions = ("fp32",)
 
     def __init__(self):
         # NOTE: held by the load thread around each of its calls into the device, and by the main thread
@@ -183,9 +225,15 @@ class CpuDevice:
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]:
         return prepared_sizes(max_batch, self.batched, fixed)
 
+    def check(self) -> None:
+        """At a worker's start: raise DeviceError, saying what to install or configure, where this device
+        cannot run models."""
+
     def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
                 graphs: bool = False) -> ort.InferenceSession:
-        """A session on this device (`model`: a serialized ModelProto or a file's path)."""
+        """A session on this device (`model`: a serialized ModelProto or a file's path); on the CPU its
+        memory comes from the process's one arena."""
+        share_cpu_arena(options)
         return new_session(model, options, self.providers(tensorrt, graphs), self.name)
 
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -259,6 +307,7 @@ class StandInDevice(CpuDevice):
 
     shared_weights = True
     batched = True
+    precisions = ("fp32", "fp16")   # (fp16 converted as on a card; the CPU provider computes it in float32)
 
     def __init__(self, stall_s: float, memory_bytes: int = 0):
         super().__init__()
@@ -272,7 +321,7 @@ class StandInDevice(CpuDevice):
                 graphs: bool = False) -> ort.InferenceSession:
         # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits
         options.intra_op_num_threads = 1
-        return super().session(model, options, tensorrt, graphs)
+        return new_session(model, options, self.providers(tensorrt, graphs), self.name)
 
     def account(self, owner: object, nbytes: int) -> None:
         with self._lock:
@@ -316,6 +365,7 @@ class CudaDevice:
 
     shared_weights = True
     batched = True
+    precisions = ("fp32", "fp16")
     ARENA = {"arena_extend_strategy": "kSameAsRequested"}   # NOTE: the default doubles: up to 2x each session's peak
 
     def __init__(self, device: str):
@@ -333,6 +383,24 @@ class CudaDevice:
         preload()   # NOTE: before any session: the CUDA provider has no RUNPATH to find pip's libraries
         self.bind_thread()
         self._no_graph: Optional[ort.RunOptions] = None
+
+    def check(self) -> None:
+        """A one-node model on the card, so a GPU worker that would run on the CPU refuses to start instead,
+        with the cause; and cupy, which moves the tensors, must work there too."""
+        from onnx import TensorProto, helper
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "device_check",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
+        self.session(model.SerializeToString(), session_options(1, False))
+        try:
+            self.memory_used()
+        except Exception as err:   # cupy's CUDA errors
+            import onnxruntime as ort
+            from gpu_actor.cuda_libs import extra_for
+            raise DeviceError(f"cupy cannot use {self.name}: {type(err).__name__}: {err} (install the extra that "
+                              f"pairs cupy with this onnxruntime's CUDA: {extra_for(ort.__version__)!r}; "
+                              "LIPSYNC_EXTRAS=gpu picks it by the driver)") from None
 
     def _block_while_waiting(self) -> None:
         """Make the host thread sleep, not spin, while it waits for the GPU (CU_CTX_SCHED_BLOCKING_SYNC on

@@ -25,8 +25,7 @@ import numpy as np
 
 from config import audio as A
 from config.assets import AssetError
-from gpu_actor.device import short
-from gpu_actor.runner import session_options
+from gpu_actor.device import session_options, short
 from gpu_actor.shapes import BatchShapes
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@
            change with the precision
 
 `to_fp16` converts with onnxconverter-common's `float16.convert_float_to_float16(keep_io_types=True)`
-and gives a model it cannot convert back unchanged, with a warning to log; `check_precision` refuses a
-precision the device cannot run, with the key to change. Ops onnxconverter-common keeps in float32
+and gives a model it cannot convert back unchanged, with a warning to log. Which precisions a device
+runs is the device's (`Device.precisions`: the CPU provider runs fp32 only, gpu_actor/device.py says why). Ops onnxconverter-common keeps in float32
 (its default block list: Resize among them) get Casts around them.
 
 The crops graph that makes a GPU worker's visual input (gpu_actor/preprocess.py) is a session of its
@@ -22,22 +22,6 @@ import warnings
 from typing import Optional
 
 import onnx
-
-PRECISIONS = ("fp32", "fp16")
-CPU_FP16_ERROR = ("inference.precision: fp16 needs a GPU worker (inference.devices); the CPU provider runs fp32: "
-                  "set inference.precision: fp32")
-
-
-def check_precision(precision: str, device: str) -> None:
-    """Raise ValueError, naming the key to change, for a precision `device` ("cpu" or "cuda:<id>") does
-    not run. fp16 on the CPU provider is refused though it loads: onnxruntime puts Casts back to float32
-    around every op it has no float16 CPU kernel for (all of unet_328's), so it computes in float32 with
-    the weights rounded, about 10% slower per frame than fp32 (measured on a 2-core x86 host)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"inference.precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "fp16" and device == "cpu":
-        raise ValueError(CPU_FP16_ERROR)
-
 
 def _named(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose nodes all have unique names.

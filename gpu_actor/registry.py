@@ -151,7 +151,7 @@ class Registry:
                 runner = self.architectures.load(path, model)
                 nbytes = runner.nbytes
             else:
-                runner = ModelRunner(path, self.device.name, self._threads, self._tensorrt, self._spin,
+                runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin,
                                      *self._batch_memory)
                 runner.warm_up()
                 release_freed_memory()   # NOTE: else the file's bytes, freed, count as the model's

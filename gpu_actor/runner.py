@@ -22,7 +22,6 @@ for all 8 first; unet_328, compute-bound, costs the same either way (82 ms). Bat
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
@@ -31,7 +30,7 @@ import psutil
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import VISUAL_SHAPE
-from gpu_actor.device import DeviceError, cuda_id, new_session, short
+from gpu_actor.device import CpuDevice, DeviceError, session_options, short
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -43,89 +42,18 @@ MIN_FRAME_BYTES = 4 * (6 + 3) * 320 * 320   # a frame's input and output: the le
 CPU_CALL_FRAMES = 1   # frames per onnxruntime call on the CPU (the module's docstring says why)
 
 
-def _providers(device: str, tensorrt: bool = False) -> list:
-    from gpu_actor.device import CpuDevice, CudaDevice
-    return CpuDevice().providers() if device == "cpu" else CudaDevice.providers_for(cuda_id(device), tensorrt)
-
-
-def check_device(device: str) -> None:
-    """At a worker's start: a one-node model on its device, so a GPU worker that would silently run on
-    the CPU refuses to start instead, with the cause."""
-    if device == "cpu":
-        return
-    from gpu_actor.cuda_libs import preload
-    preload()
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "device_check",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=7)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    new_session(model.SerializeToString(), options, _providers(device), device)
-    try:   # cupy, which moves the tensors, must work there too
-        import cupy
-        cupy.cuda.runtime.setDevice(cuda_id(device))
-        cupy.cuda.runtime.memGetInfo()
-    except Exception as err:
-        from gpu_actor.cuda_libs import extra_for
-        raise DeviceError(f"cupy cannot use {device}: {type(err).__name__}: {err} (install the extra that pairs "
-                          f"cupy with this onnxruntime's CUDA: {extra_for(ort.__version__)!r}; LIPSYNC_EXTRAS=gpu "
-                          "picks it by the driver)") from None
-
-
 def dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
 
 
-def session_options(threads: int, spin: bool) -> ort.SessionOptions:
-    import onnxruntime as ort
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    if not spin:
-        # NOTE: onnxruntime's pool threads spin for a while after each run, waiting for the next one:
-        # on a host shared with compositing processes that burns the cores they need.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    return options
-
-
-_shared_cpu_arena = threading.Lock()
-_registered: list[bool] = []
-
-
-def share_cpu_arena(options: ort.SessionOptions) -> None:
-    """Make the session's CPU memory come from one arena for the whole process (registered once), not
-    an arena of its own: a real-size unet_328 session's arena keeps ~220 MiB of activations (for 46 MiB
-    of weights) once it has run, and each of a worker's models kept its own. Measured with 3 models, one
-    frame per call: 47-76 MiB more a model against 219-232, the same ms a frame (docs/benchmarks.md)."""
-    import onnxruntime as ort
-    with _shared_cpu_arena:
-        if not _registered:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
-            _registered.append(True)
-    options.add_session_config_entry("session.use_env_allocators", "1")
-
-
-def make_session(path: Path, device: str, threads: int, tensorrt: bool = False,
-                 spin: bool = False) -> ort.InferenceSession:
-    if device != "cpu":
-        from gpu_actor.cuda_libs import preload
-        preload()   # NOTE: before the session: the CUDA provider has no RUNPATH to find pip's libraries
-    # NOTE: onnxruntime is imported here (session_options), in the load thread: a worker imports it
-    # (20-30 ms) with its first model, not before READY (on a GPU, check_device has imported it by then).
-    options = session_options(threads, spin)
-    if device == "cpu":
-        share_cpu_arena(options)
+def own_session(path: Path, device, threads: int, tensorrt: bool = False, spin: bool = False) -> ort.InferenceSession:
+    """A model file in a session of its own on `device`; AssetError says what is wrong with the file."""
     if not path.exists():
         raise AssetError(f"{path}: model file is missing")
+    # NOTE: onnxruntime is imported here (session_options), in the load thread: a worker imports it
+    # (20-30 ms) with its first model, not before READY (on a GPU, Device.check has imported it by then).
     try:
-        return new_session(str(path), options, _providers(device, tensorrt), device)
+        return device.session(str(path), session_options(threads, spin), tensorrt)
     except (DeviceError, MemoryError):
         raise
     except Exception as err:  # onnxruntime raises its own exception types for bad files
@@ -157,17 +85,18 @@ def _peak_rss() -> int:
 class ModelRunner:
     frames_per_s = 0.0   # not measured: on the CPU, admission counts inference in the host's CPU (frontend/live)
 
-    def __init__(self, path: Path, device: str = "cpu", threads: int = 0, tensorrt: bool = False, spin: bool = False,
+    def __init__(self, path: Path, device=None, threads: int = 0, tensorrt: bool = False, spin: bool = False,
                  batch_memory_bytes: int = 0, workers: int = 1):
-        if device != "cpu":
-            raise DeviceError(f"{path}: a model on {device} runs in its architecture's shared session "
+        device = device or CpuDevice()
+        if device.shared_weights:
+            raise DeviceError(f"{path}: a model on {device.name} runs in its architecture's shared session "
                               "(gpu_actor/shared.py), not a session of its own")
         self.path = path
         self.device = device
         self.batch_memory_bytes, self._workers = batch_memory_bytes, workers
         self.frame_bytes = 0                  # measured peak memory per frame (warm_up)
         self.max_frames: Optional[int] = None  # frames per onnxruntime call; None: the whole batch
-        self.session = make_session(path, device, threads, tensorrt, spin)
+        self.session = own_session(path, device, threads, tensorrt, spin)
         self.io: ModelIO = classify_io(
             [(i.name, dims(i.shape)) for i in self.session.get_inputs()],
             [(o.name, dims(o.shape)) for o in self.session.get_outputs()], str(path))
@@ -201,12 +130,13 @@ class ModelRunner:
 
     def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray, shrink: bool = False) -> None:
         binding = self.session.io_binding()
-        for name, array in ((self.io.visual, visual), (self.io.audio, audio)):
-            array = np.ascontiguousarray(array)
-            binding.bind_input(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+        # NOTE: bound by address: the contiguous copies (if any) must live until the run
+        inputs = {self.io.visual: np.ascontiguousarray(visual), self.io.audio: np.ascontiguousarray(audio)}
+        for name, array in inputs.items():
+            self.device.bind(binding, name, array)
         if not out.flags.c_contiguous:
             raise ValueError("output buffer must be C-contiguous")
-        binding.bind_output(self.io.output, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self.device.bind(binding, self.io.output, out, output=True)
         options = None
         if shrink:
             import onnxruntime as ort

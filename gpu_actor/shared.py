@@ -29,8 +29,8 @@ import numpy as np
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model, split_proto
-from gpu_actor.device import DeviceError, DeviceMemoryError, out_of_memory, short
-from gpu_actor.runner import dims, session_options
+from gpu_actor.device import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
+from gpu_actor.runner import dims
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
 from gpu_actor.weights import Weights

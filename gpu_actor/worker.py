@@ -26,7 +26,6 @@ from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off
 from gpu_actor.registry import Registry
-from gpu_actor.runner import check_device
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -45,14 +44,10 @@ class InferenceWorker:
         self.config, self.run_spec, self.index = config, run, index
         self.device = run.devices[index]
         device = make_device(self.device)   # NOTE: first: a GPU's waits are set to block before its context exists
-        check_device(self.device)
-        if config.inference.precision != "fp32" and not device.shared_weights:
-            # the CPU provider's sessions (a model's own) run fp32; the GPU path (and its stand-in) converts
-            from gpu_actor.precision import check_precision   # NOTE: only here: it imports onnx
-            try:
-                check_precision(config.inference.precision, "cpu")
-            except ValueError as err:
-                raise CannotServe(str(err)) from None
+        device.check()
+        if config.inference.precision not in device.precisions:
+            raise CannotServe(f"inference.precision: {config.inference.precision} needs a GPU worker (inference.devices); "
+                              f"{device.name} runs {', '.join(device.precisions)}: set inference.precision: fp32")
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
         self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)

@@ -67,7 +67,7 @@ def test_the_shared_session_matches_the_cpu_provider_at_every_size(tmp_path, dev
         audio = rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
         for path, runner in zip(paths, runners):
             cpu_out, gpu_out = (np.empty((n, 3, 320, 320), np.float32) for _ in range(2))
-            ModelRunner(path, "cpu").run(visual, audio, cpu_out)
+            ModelRunner(path).run(visual, audio, cpu_out)
             runner.run(visual, audio, gpu_out)
             np.testing.assert_allclose(gpu_out, cpu_out, rtol=0, atol=_atol(device))
 
@@ -120,7 +120,7 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
 
 def test_the_crops_graph_builds_build_visuals_input_to_the_bit(device):
     from gpu_actor.preprocess import visual_graph
-    from gpu_actor.runner import session_options
+    from gpu_actor.device import session_options
     from gpu_actor.visual import build_visual
     crops = np.random.default_rng(4).integers(0, 256, (3, 328, 328, 3), dtype=np.uint8)
     want = np.empty((3, 6, 320, 320), np.float32)
@@ -150,7 +150,7 @@ def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_pa
     want = []
     for path in paths:
         want.append(np.empty((3, 3, 320, 320), np.float32))
-        ModelRunner(path, "cpu").run(visual, audio, want[-1])
+        ModelRunner(path).run(visual, audio, want[-1])
     for k in (0, 1, 1, 0, 1):
         got = np.empty((3, 3, 320, 320), np.float32)
         runners[k].run(visual, audio, got)

@@ -16,7 +16,8 @@ import pytest
 from gpu_actor.device import DeviceError, StandInDevice, new_session, out_of_memory
 from gpu_actor.model_builder import write_model
 from gpu_actor.registry import Registry
-from gpu_actor.runner import ModelRunner, session_options
+from gpu_actor.device import session_options
+from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import CAPTURE_RUNS, Architectures
 from tests.helpers import ROOT
 

@@ -161,7 +161,7 @@ def test_a_model_the_cpu_path_serves_the_gpu_path_serves_with_the_same_mouths(tm
     path = save(build(1), tmp_path / case / "model.onnx")
     architecture = split_model(path).architecture
     assert dict(zip(architecture.weights, architecture.shapes)) == {**CONV, **weights}
-    cpu = ModelRunner(path, "cpu")
+    cpu = ModelRunner(path)
     gpu = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False).load(path, case)
     for n in BATCHES:
         want = _mouths(cpu, n)
@@ -178,7 +178,7 @@ def test_two_models_of_one_graph_share_its_session_each_with_its_own_weights(tmp
     assert len(archs.prepared) == 1 and runners[0].prepared is runners[1].prepared
     got = [[_mouths(runner, n) for n in BATCHES] for runner in runners]
     for path, mouths in zip(paths, got):
-        cpu = ModelRunner(path, "cpu")
+        cpu = ModelRunner(path)
         for n, batch in zip(BATCHES, mouths):
             np.testing.assert_allclose(batch, _mouths(cpu, n), rtol=0, atol=1e-5)
     assert not any(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(*got)), "one model's weights served both"
@@ -193,7 +193,7 @@ def test_a_constant_the_graph_reads_at_creation_keeps_models_with_other_values_a
     runners = [archs.load(path, f"g{k}") for k, path in enumerate(paths)]
     assert len(archs.prepared) == 2
     for path, runner in zip(paths, runners):
-        np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path, "cpu"), 3), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path), 3), rtol=0, atol=1e-5)
 
 
 def test_a_weight_that_is_also_a_graph_output_is_refused_on_both_paths_for_its_second_output(tmp_path):
@@ -206,7 +206,7 @@ def test_a_weight_that_is_also_a_graph_output_is_refused_on_both_paths_for_its_s
                      tmp_path / name / "model.onnx")
         extra = re.escape(f"('{name}', [3, 1, 1])")
         with pytest.raises(AssetError, match=f"and 1 output, found .*{extra}"):
-            ModelRunner(path, "cpu")
+            ModelRunner(path)
         device = StandInDevice(0.0)
         with pytest.raises(AssetError, match=f"and 1 output, found .*{extra}"):
             Architectures(device, MAX_BATCH, 0, False, False).load(path, name)
@@ -244,7 +244,7 @@ def test_a_0_d_weight_uploads_to_a_gpu_in_its_own_shape(tmp_path):
     upload: a 0-d weight goes up 0-d, not as numpy's ascontiguousarray makes it ([1])."""
     path = _save(_model(_scalar, 1), tmp_path / "scalar" / "model.onnx")
     runner = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False).load(path, "scalar")
-    np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path, "cpu"), 3), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path), 3), rtol=0, atol=1e-5)
 
 
 def _chain(rng, *features):

@@ -14,7 +14,8 @@ from config.assets import AssetError
 from frontend.server.onnx_io import read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
-from gpu_actor.runner import DeviceError, ModelRunner, check_device, make_session
+from gpu_actor.device import CudaDevice, DeviceError, make_device, new_session, session_options
+from gpu_actor.runner import ModelRunner, own_session
 
 
 def _inputs(batch, audio_shape, seed=0):
@@ -79,13 +80,14 @@ def test_a_gpu_worker_never_runs_on_the_cpu_silently(tmp_path):
     refuse instead, saying what to install or configure."""
     path = write_model(tmp_path / "m.onnx", kind="tiny")
     if "CUDAExecutionProvider" in ort.get_available_providers():
-        check_device("cuda:0")
-        assert make_session(path, "cuda:0", 0).get_providers()[0] == "CUDAExecutionProvider"
+        device = make_device("cuda:0")
+        device.check()
+        assert own_session(path, device, 0).get_providers()[0] == "CUDAExecutionProvider"
         return
-    with pytest.raises(DeviceError, match="inference.devices: cpu"):
-        check_device("cuda:0")
+    with pytest.raises(DeviceError, match="inference.devices: cpu"):   # (no cupy, or no CUDA provider)
+        make_device("cuda:0").check()
     with pytest.raises(DeviceError, match="CUDA provider did not load"):
-        make_session(path, "cuda:0", 0)
+        new_session(str(path), session_options(0, False), CudaDevice.providers_for(0), "cuda:0")
 
 
 def test_broken_models_are_refused_with_the_reason(tmp_path):

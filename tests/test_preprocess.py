@@ -9,15 +9,16 @@ import pytest
 from onnx import TensorProto, helper
 
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model
-from gpu_actor.precision import CPU_FP16_ERROR, check_precision, to_fp16
+from gpu_actor.precision import to_fp16
 from gpu_actor.preprocess import CROPS_INPUT, VISUAL_OUTPUT, visual_graph
-from gpu_actor.runner import make_session
+from gpu_actor.device import CpuDevice
+from gpu_actor.runner import own_session
 from gpu_actor.visual import build_visual
 
 
 def _session(model: onnx.ModelProto, path):
     onnx.save(model, str(path))
-    return make_session(path, "cpu", threads=2)
+    return own_session(path, CpuDevice(), threads=2)
 
 
 def _crops(batch: int, seed: int) -> np.ndarray:
@@ -90,12 +91,7 @@ def test_a_model_that_cannot_convert_comes_back_unchanged_with_a_warning():
     assert same is half and "already converted to float16" in warning
 
 
-def test_check_precision_refuses_fp16_on_the_cpu_provider():
-    with pytest.raises(ValueError) as err:
-        check_precision("fp16", "cpu")
-    assert str(err.value) == CPU_FP16_ERROR
-    assert "set inference.precision: fp32" in CPU_FP16_ERROR
-    check_precision("fp32", "cpu")
-    check_precision("fp16", "cuda:0")
-    with pytest.raises(ValueError, match="inference.precision: expected one of fp32, fp16, got 'bf16'"):
-        check_precision("bf16", "cuda:0")
+def test_the_cpu_provider_runs_fp32_only_the_gpu_path_fp16_too():
+    from gpu_actor.device import CudaDevice, StandInDevice
+    assert CpuDevice.precisions == ("fp32",)
+    assert StandInDevice.precisions == CudaDevice.precisions == ("fp32", "fp16")
