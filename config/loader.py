@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Union
@@ -10,6 +11,14 @@ import msgspec
 import msgspec.inspect as mi
 
 from config.schema import Config
+
+log = logging.getLogger(__name__)
+# Keys a server no longer reads: a file that sets one still loads (a warning says why it is ignored).
+RETIRED = {
+    ("inference", "batch_memory_bytes"): "a CPU worker runs one frame per onnxruntime call whatever the batch, so a "
+                                         "request's memory is one frame's; a GPU worker runs at its prepared sizes",
+    ("inference", "tensorrt"): "its gain was never measured; GPU workers run on the CUDA provider",
+}
 
 
 class ConfigError(ValueError):
@@ -154,12 +163,23 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Co
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
     if "base_dir" in data:
         raise ConfigError(f"{source}: base_dir: unknown key (paths resolve against the file's directory)")
+    data = _without_retired(data, source)
     try:
         config = msgspec.convert({**data, "base_dir": base_dir}, type=Config, strict=True)
     except msgspec.ValidationError as err:
         raise ConfigError(_format_error(source, data, err)) from None
     _check_bridge_keys(config, source)
     return config
+
+
+def _without_retired(data: dict, source: str) -> dict:
+    """`data` without the RETIRED keys it sets, each one logged with why it is ignored."""
+    for (section, key), why in RETIRED.items():
+        values = data.get(section)
+        if isinstance(values, dict) and key in values:
+            log.warning("%s: %s.%s is retired and ignored (%s): remove it", source, section, key, why)
+            data = {**data, section: {k: v for k, v in values.items() if k != key}}
+    return data
 
 
 def _check_bridge_keys(config: Config, source: str) -> None:

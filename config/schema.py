@@ -94,12 +94,10 @@ class InferenceConfig(_Section):
     workers_per_device: PosInt = 1
     max_models_per_worker: PosInt = 16
     max_model_bytes: NonNegInt = 0
-    batch_memory_bytes: NonNegInt = 0
     eviction: Literal["lru", "lfu"] = "lru"
     idle_unload_s: NonNegFloat = 0.0
     preload: tuple[ModelId, ...] = ()
     intra_op_threads: NonNegInt = 0
-    tensorrt: bool = False
     spin_threads: bool = False
     precision: Literal["fp32", "fp16"] = "fp32"
     cuda_graphs: bool = False

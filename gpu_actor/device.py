@@ -181,9 +181,8 @@ class Device(Protocol):
 
     def check(self) -> None: ...
 
-    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list: ...
-    def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
-                graphs: bool = False) -> ort.InferenceSession: ...
+    def providers(self, graphs: bool = False) -> list: ...
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession: ...
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]: ...
     def memory_used(self) -> int: ...
@@ -219,7 +218,7 @@ class CpuDevice:
         # synchronizing call meanwhile breaks the capture); never for a whole load
         self.lock = DeviceLock()
 
-    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list:
+    def providers(self, graphs: bool = False) -> list:
         return ["CPUExecutionProvider"]
 
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]:
@@ -229,12 +228,11 @@ class CpuDevice:
         """At a worker's start: raise DeviceError, saying what to install or configure, where this device
         cannot run models."""
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
-                graphs: bool = False) -> ort.InferenceSession:
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
         """A session on this device (`model`: a serialized ModelProto or a file's path); on the CPU its
         memory comes from the process's one arena."""
         share_cpu_arena(options)
-        return new_session(model, options, self.providers(tensorrt, graphs), self.name)
+        return new_session(model, options, self.providers(graphs), self.name)
 
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Run `session` on host arrays (a model's audio encoder, a precision probe): its outputs."""
@@ -317,11 +315,10 @@ class StandInDevice(CpuDevice):
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # session -> input shapes run
         self._lock = threading.Lock()       # the load thread prepares while the main thread runs
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
-                graphs: bool = False) -> ort.InferenceSession:
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
         # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits
         options.intra_op_num_threads = 1
-        return new_session(model, options, self.providers(tensorrt, graphs), self.name)
+        return new_session(model, options, self.providers(graphs), self.name)
 
     def account(self, owner: object, nbytes: int) -> None:
         with self._lock:
@@ -418,23 +415,19 @@ class CudaDevice:
         except (OSError, AttributeError, RuntimeError) as err:   # waits spin then: CPU, not results
             log.warning("%s: cannot make waits block (%s); the worker's thread spins while the GPU runs", self.name, err)
 
-    def providers(self, tensorrt: bool = False, graphs: bool = False) -> list:
-        return self.providers_for(self.device_id, tensorrt, graphs)
+    def providers(self, graphs: bool = False) -> list:
+        return self.providers_for(self.device_id, graphs)
 
     @classmethod
-    def providers_for(cls, device_id: int, tensorrt: bool = False, graphs: bool = False) -> list:
+    def providers_for(cls, device_id: int, graphs: bool = False) -> list:
         options = {"device_id": device_id, **cls.ARENA, **({"enable_cuda_graph": "1"} if graphs else {})}
-        providers: list = [("CUDAExecutionProvider", options)]
-        if tensorrt:
-            providers.insert(0, ("TensorrtExecutionProvider", {"device_id": device_id}))
-        return providers
+        return [("CUDAExecutionProvider", options)]
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, tensorrt: bool = False,
-                graphs: bool = False) -> ort.InferenceSession:
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
         # NOTE: the GPU does the work: a pool of intra-op threads per session (one per core by default)
         # would be ~100 idle threads per prepared architecture
         options.intra_op_num_threads = 1
-        return new_session(model, options, self.providers(tensorrt, graphs), self.name)
+        return new_session(model, options, self.providers(graphs), self.name)
 
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return session.run(None, feeds)

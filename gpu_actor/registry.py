@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from config.assets import AssetError
-from gpu_actor.device import make_device, out_of_memory
+from config.schema import InferenceConfig
+from gpu_actor.device import out_of_memory
 from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import Architectures
 from shm.child import release_freed_memory
@@ -72,16 +73,16 @@ class LoadResult:
 
 
 class Registry:
-    def __init__(self, device, max_models: int, max_bytes: int, eviction: str, idle_unload_s: float,
-                 threads: int, tensorrt: bool, resolve: Callable[[str], Optional[Path]],
-                 on_event: Callable[[str, str, float, int, float], None], wake: Callable[[], None], spin: bool = False,
-                 companions: Callable[[str], None] = lambda model: None, batch_memory_bytes: int = 0,
-                 workers: int = 1, max_batch: int = 32, precision: str = "fp32", cuda_graphs: bool = False):
-        self.device = make_device(device) if isinstance(device, str) else device
-        self.max_models, self.max_bytes = max_models, max_bytes
-        self.eviction, self.idle_unload_s = eviction, idle_unload_s
-        self._threads, self._tensorrt, self._spin = threads, tensorrt, spin
-        self._batch_memory = (batch_memory_bytes, workers)   # sizes each model's sub-batches at load
+    """`options`: the `inference` config section (caps, eviction, threads, precision, CUDA graphs);
+    `max_batch`: limits.max_batch, the largest size a GPU path prepares."""
+
+    def __init__(self, device, options: InferenceConfig, max_batch: int, resolve: Callable[[str], Optional[Path]],
+                 on_event: Callable[[str, str, float, int, float], None], wake: Callable[[], None],
+                 companions: Callable[[str], None] = lambda model: None):
+        self.device = device
+        self.max_models, self.max_bytes = options.max_models_per_worker, options.max_model_bytes
+        self.eviction, self.idle_unload_s = options.eviction, options.idle_unload_s
+        self._threads, self._spin = options.intra_op_threads, options.spin_threads
         self._resolve = resolve          # model id -> onnx path, or None if unknown
         self._on_event = on_event        # (model, event, load_ms, nbytes, frames_per_s)
         self._wake = wake                # called from the load thread when a load finishes
@@ -93,8 +94,8 @@ class Registry:
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
-        self.architectures = Architectures(self.device, max_batch, threads, tensorrt, spin, precision, cuda_graphs) \
-            if self.device.shared_weights else None
+        self.architectures = Architectures(device, max_batch, self._threads, self._spin, options.precision,
+                                           options.cuda_graphs) if device.shared_weights else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -151,8 +152,7 @@ class Registry:
                 runner = self.architectures.load(path, model)
                 nbytes = runner.nbytes
             else:
-                runner = ModelRunner(path, self.device, self._threads, self._tensorrt, self._spin,
-                                     *self._batch_memory)
+                runner = ModelRunner(path, self.device, self._threads, self._spin)
                 runner.warm_up()
                 release_freed_memory()   # NOTE: else the file's bytes, freed, count as the model's
                 # The byte cap is checked on what the load really cost; never below the file's size.

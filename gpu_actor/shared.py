@@ -61,7 +61,7 @@ class Prepared:
     size at its first call there (onnxruntime keeps a graph per thread), holding the lock meanwhile, and
     a size whose capture fails runs plainly from then on."""
 
-    def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, tensorrt: bool, spin: bool,
+    def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, spin: bool,
                  graphs: bool = False):
         self.architecture, self.device = architecture, device
         self.lock = device.lock
@@ -69,7 +69,7 @@ class Prepared:
 
         def session(graphs: bool):
             with self.lock:
-                return device.session(architecture.graph, options(), tensorrt, graphs)
+                return device.session(architecture.graph, options(), graphs)
         try:
             first = session(graphs)
         except (DeviceError, MemoryError):
@@ -279,10 +279,10 @@ class SharedRunner:
 class Architectures:
     """A worker's prepared architectures, by key; `load` (the load thread) gives a model's runner."""
 
-    def __init__(self, device, max_batch: int, threads: int, tensorrt: bool, spin: bool, precision: str = "fp32",
+    def __init__(self, device, max_batch: int, threads: int, spin: bool, precision: str = "fp32",
                  graphs: bool = False):
         self.device, self.max_batch, self.precision, self.graphs = device, max_batch, precision, graphs
-        self._options = (threads, tensorrt, spin)
+        self._options = (threads, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
 
@@ -361,7 +361,7 @@ class Architectures:
     def _probe(self, architecture: Architecture, weights: list, inputs: Optional[dict]) -> dict:
         """Run `architecture` once on this device (a batch of 2, a session of its own): {"out": mouths},
         and the probe's inputs the first time (None): random frames, seeded."""
-        threads, _, spin = self._options
+        threads, spin = self._options
         names = set(architecture.weights)
         with self.device.lock:
             session = self.device.session(architecture.graph, session_options(threads, spin))

@@ -65,12 +65,8 @@ class InferenceWorker:
         self._wake_lock = threading.Lock()
         for ring in (self.inputs, self.outputs):   # copies to and from the slots at the bus's speed
             device.pin(ring.data())
-        self.registry = Registry(device, inf.max_models_per_worker, inf.max_model_bytes, inf.eviction,
-                                 inf.idle_unload_s, inf.intra_op_threads, inf.tensorrt, self._onnx_path,
-                                 self._model_event, self._wake, inf.spin_threads, companions=self._load_encoder,
-                                 batch_memory_bytes=inf.batch_memory_bytes, workers=inf.workers_per_device,
-                                 max_batch=config.limits.max_batch, precision=inf.precision,
-                                 cuda_graphs=inf.cuda_graphs)
+        self.registry = Registry(device, inf, config.limits.max_batch, self._onnx_path, self._model_event, self._wake,
+                                 companions=self._load_encoder)
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)

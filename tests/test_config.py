@@ -128,3 +128,17 @@ def test_a_plaintext_bridge_must_be_asked_for_by_name(tmp_path):
     path = tmp_path / "plain.yaml"
     path.write_text("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570'}]\n  insecure_plaintext: true\n")
     assert load_config(path).bridge.insecure_plaintext
+
+
+def test_a_retired_key_still_loads_with_a_warning_saying_why_it_is_ignored(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text("inference:\n  tensorrt: true\n  batch_memory_bytes: 1000000\n  eviction: lfu\n")
+    with caplog.at_level("WARNING", logger="config.loader"):
+        config = load_config(path)
+    assert config.inference.eviction == "lfu"
+    text = caplog.text
+    assert "inference.tensorrt is retired and ignored" in text and "never measured" in text
+    assert "inference.batch_memory_bytes is retired and ignored" in text and "one frame" in text
+    path.write_text("inference:\n  tensorrt: [not, a, bool]\n  eviction: sometimes\n")
+    with pytest.raises(ConfigError, match="inference.eviction"):   # (the others are still checked)
+        load_config(path)

@@ -55,7 +55,7 @@ def test_the_shared_session_matches_the_cpu_provider_at_every_size(tmp_path, dev
     from gpu_actor.shared import Architectures
     kind = "unet328" if _card(device) else "tiny"   # (the real size on the card; the stand-in runs on the CPU)
     paths = [write_model(tmp_path / f"m{k}.onnx", kind=kind, audio="ave", seed=k) for k in (1, 2)]
-    archs = Architectures(device, 8, 0, False, False)
+    archs = Architectures(device, 8, 0, False)
     runners = [archs.load(p) for p in paths]
     assert len(archs.prepared) == 1
     sessions = [*runners[0].prepared.sessions.values(), runners[0].prepared.crop_session]
@@ -75,11 +75,12 @@ def test_the_shared_session_matches_the_cpu_provider_at_every_size(tmp_path, dev
 def test_a_model_on_the_device_holds_its_weights(tmp_path, device):
     """The first model of an architecture prepares it; each later one costs its weights on the device
     (on the card: its memory in use; on the stand-in: the weight bytes it accounts)."""
+    from config.schema import InferenceConfig
     from gpu_actor.graphs import split_model
     from gpu_actor.registry import Registry
     from gpu_actor.weights import ALIGN
     paths = {f"m{k}": write_model(tmp_path / f"m{k}.onnx", kind="unet328", seed=k) for k in range(4)}
-    reg = Registry(device, 8, 0, "lru", 0, 0, False, paths.get, lambda *a: None, lambda: None, max_batch=2)
+    reg = Registry(device, InferenceConfig(max_models_per_worker=8), 2, paths.get, lambda *a: None, lambda: None)
     architecture = split_model(paths["m0"]).architecture
     weights = architecture.nbytes
     used = []
@@ -107,7 +108,7 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
     audio = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)
     mouths, nbytes, dtypes = {}, {}, {}
     for precision in ("fp32", "fp16"):
-        runner = Architectures(device, 2, 0, False, False, precision).load(path)
+        runner = Architectures(device, 2, 0, False, precision).load(path)
         mouths[precision] = np.empty((2, 3, 320, 320), np.float32)
         runner.run(visual, audio, mouths[precision])
         nbytes[precision] = runner.nbytes
@@ -140,7 +141,7 @@ def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_pa
     from gpu_actor.shared import Architectures
     kind = "unet328" if _card(device) else "tiny"
     paths = [write_model(tmp_path / f"m{k}.onnx", kind=kind, audio="ave", seed=k) for k in range(2)]
-    archs = Architectures(device, 4, 0, False, False, graphs=True)
+    archs = Architectures(device, 4, 0, False, graphs=True)
     runners = [archs.load(p) for p in paths]
     prepared = runners[0].prepared
     assert prepared.slot is not None, "the architecture's sessions were made without CUDA graphs"
@@ -165,7 +166,7 @@ def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
     import psutil
 
     from gpu_actor.shared import Architectures
-    archs = Architectures(device, 16, 0, False, False)
+    archs = Architectures(device, 16, 0, False)
     archs.load(write_model(tmp_path / "first.onnx", kind="tiny"))   # (CUDA's and onnxruntime's own threads)
     before = psutil.Process().num_threads()
     runner = archs.load(write_model(tmp_path / "m.onnx", kind="tiny", audio="hubert"))

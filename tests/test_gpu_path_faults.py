@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from config.schema import InferenceConfig
 from gpu_actor.device import DeviceError, StandInDevice, new_session, out_of_memory
 from gpu_actor.model_builder import write_model
 from gpu_actor.registry import Registry
@@ -22,6 +23,7 @@ from gpu_actor.shared import CAPTURE_RUNS, Architectures
 from tests.helpers import ROOT
 
 MAX_BATCH = 4
+OPTIONS = InferenceConfig(max_models_per_worker=8, intra_op_threads=1)
 
 
 def _inputs(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +55,7 @@ class CaptureFails(StandInDevice):
 def test_a_size_whose_cuda_graph_capture_fails_runs_plainly_and_the_model_serves(tmp_path):
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
     device = CaptureFails(size=2)
-    runner = Architectures(device, MAX_BATCH, 0, False, False, graphs=True).load(path)
+    runner = Architectures(device, MAX_BATCH, 0, False, graphs=True).load(path)
     prepared = runner.prepared
     assert prepared.slot is not None and not prepared.plain
     for n in (2, 2, 1, 2):
@@ -76,7 +78,7 @@ def test_the_load_thread_never_captures_and_the_main_thread_captures_under_the_d
             super().run(session, binding, size, graphs)
 
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
-    runner = Architectures(Recording(0.0), MAX_BATCH, 0, False, False, graphs=True).load(path)
+    runner = Architectures(Recording(0.0), MAX_BATCH, 0, False, graphs=True).load(path)
     prepared = runner.prepared
     models = set(prepared.sessions.values())
     warm = [(size, graphs, locked) for session, size, graphs, locked in calls if session in models]
@@ -118,8 +120,7 @@ def test_out_of_memory_at_a_new_architectures_first_call_evicts_an_idle_model_an
              "new": write_model(tmp_path / "new.onnx", kind="tiny", audio="hubert", seed=2)}   # another architecture
     events: list = []
     device = NoMemoryOnce()
-    reg = Registry(device, 8, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]), lambda: None,
-                   max_batch=2)
+    reg = Registry(device, OPTIONS, 2, paths.get, lambda *e: events.append(e[:2]), lambda: None)
 
     def load(model: str) -> list:
         reg.start_load(model)
@@ -169,7 +170,7 @@ def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_sm
             return session
 
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
-    runner = Architectures(Recording(2), 8, 0, False, False, graphs=True).load(path)
+    runner = Architectures(Recording(2), 8, 0, False, graphs=True).load(path)
     assert runner.prepared.shapes.sizes == (1, 2)
     gc.collect()
     alive = [ref() for ref in made if ref() is not None]
@@ -181,8 +182,7 @@ def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_sm
 
 def test_out_of_memory_at_the_smallest_size_is_an_out_of_memory_for_the_registry(tmp_path):
     paths = {"m": write_model(tmp_path / "m.onnx", kind="tiny")}
-    reg = Registry(NoMemoryAbove(0), 8, 0, "lru", 0, 1, False, paths.get, lambda *e: None, lambda: None,
-                   max_batch=2)
+    reg = Registry(NoMemoryAbove(0), OPTIONS, 2, paths.get, lambda *e: None, lambda: None)
     reg.start_load("m")
     reg.loading["m"].result(60)
     (result,) = reg.poll_loads()   # no idle model to evict: the load fails, saying what to do
@@ -197,7 +197,7 @@ def test_the_load_thread_holds_the_device_for_one_call_at_a_time_never_a_whole_l
     stall = 0.3
     path = write_model(tmp_path / "m.onnx", kind="tiny")
     device = StandInDevice(stall)
-    archs = Architectures(device, 8, 0, False, False)
+    archs = Architectures(device, 8, 0, False)
     loader = threading.Thread(target=archs.load, args=(path,))
     t0 = time.monotonic()
     loader.start()

@@ -162,7 +162,7 @@ def test_a_model_the_cpu_path_serves_the_gpu_path_serves_with_the_same_mouths(tm
     architecture = split_model(path).architecture
     assert dict(zip(architecture.weights, architecture.shapes)) == {**CONV, **weights}
     cpu = ModelRunner(path)
-    gpu = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False).load(path, case)
+    gpu = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False).load(path, case)
     for n in BATCHES:
         want = _mouths(cpu, n)
         assert np.isfinite(want).all()
@@ -173,7 +173,7 @@ def test_a_model_the_cpu_path_serves_the_gpu_path_serves_with_the_same_mouths(tm
 def test_two_models_of_one_graph_share_its_session_each_with_its_own_weights(tmp_path, case):
     build, save, _ = CASES[case]
     paths = [save(build(seed), tmp_path / f"{case}{seed}" / "model.onnx") for seed in (1, 2)]
-    archs = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False)
+    archs = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False)
     runners = [archs.load(path, f"{case}{k}") for k, path in enumerate(paths)]
     assert len(archs.prepared) == 1 and runners[0].prepared is runners[1].prepared
     got = [[_mouths(runner, n) for n in BATCHES] for runner in runners]
@@ -189,7 +189,7 @@ def test_a_constant_the_graph_reads_at_creation_keeps_models_with_other_values_a
     tables get two sessions, each serving its own."""
     build, save, _ = CASES["gather_table"]
     paths = [save(build(seed), tmp_path / f"g{seed}" / "model.onnx") for seed in (1, 2)]
-    archs = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False)
+    archs = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False)
     runners = [archs.load(path, f"g{k}") for k, path in enumerate(paths)]
     assert len(archs.prepared) == 2
     for path, runner in zip(paths, runners):
@@ -209,7 +209,7 @@ def test_a_weight_that_is_also_a_graph_output_is_refused_on_both_paths_for_its_s
             ModelRunner(path)
         device = StandInDevice(0.0)
         with pytest.raises(AssetError, match=f"and 1 output, found .*{extra}"):
-            Architectures(device, MAX_BATCH, 0, False, False).load(path, name)
+            Architectures(device, MAX_BATCH, 0, False).load(path, name)
         assert device.stalls == 0, "a size was prepared for a file that cannot serve"
 
 
@@ -243,7 +243,7 @@ def test_a_0_d_weight_uploads_to_a_gpu_in_its_own_shape(tmp_path):
     """cupy's ndarray.set copies only from an array of the very same shape, and so does the stand-in's
     upload: a 0-d weight goes up 0-d, not as numpy's ascontiguousarray makes it ([1])."""
     path = _save(_model(_scalar, 1), tmp_path / "scalar" / "model.onnx")
-    runner = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False, False).load(path, "scalar")
+    runner = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False).load(path, "scalar")
     np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path), 3), rtol=0, atol=1e-5)
 
 

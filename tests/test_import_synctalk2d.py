@@ -221,10 +221,10 @@ def test_the_imported_model_in_fp16_on_the_gpu_path_keeps_the_crop_within_45_db_
     audio = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)
     mouths = {}
     for precision in ("fp32", "fp16"):
-        runner = Architectures(StandInDevice(0.0), 2, 0, False, False, precision).load(out / "model.onnx")
+        runner = Architectures(StandInDevice(0.0), 2, 0, False, precision).load(out / "model.onnx")
         mouths[precision] = np.empty((2, 3, 320, 320), np.float32)
         runner.run(visual, audio, mouths[precision])
-    assert runner.nbytes < 0.6 * Architectures(StandInDevice(0.0), 1, 0, False, False).load(out / "model.onnx").nbytes
+    assert runner.nbytes < 0.6 * Architectures(StandInDevice(0.0), 1, 0, False).load(out / "model.onnx").nbytes
     crop = {p: np.clip(np.floor(255 * m), 0, 255) for p, m in mouths.items()}
     mse = float(np.mean((crop["fp16"] - crop["fp32"]) ** 2))
     psnr = 10 * np.log10(255 ** 2 / max(mse, 1e-12))

@@ -14,7 +14,8 @@ from config.assets import AssetError
 from frontend.server.onnx_io import read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
-from gpu_actor.device import CudaDevice, DeviceError, make_device, new_session, session_options
+from config.schema import InferenceConfig
+from gpu_actor.device import CpuDevice, CudaDevice, DeviceError, make_device, new_session, session_options
 from gpu_actor.runner import ModelRunner, own_session
 
 
@@ -121,8 +122,9 @@ def ten_models(tmp_path_factory) -> dict[str, Path]:
 
 def _registry(paths, eviction="lru", max_models=3, max_bytes=0, events=None):
     events = events if events is not None else []
-    return Registry("cpu", max_models, max_bytes, eviction, 0, 1, False, paths.get,
-                    lambda m, e, ms, b, fps: events.append((m, e)), lambda: None)
+    options = InferenceConfig(max_models_per_worker=max_models, max_model_bytes=max_bytes, eviction=eviction,
+                              intra_op_threads=1)
+    return Registry(CpuDevice(), options, 1, paths.get, lambda m, e, ms, b, fps: events.append((m, e)), lambda: None)
 
 
 def _load(reg: Registry, model: str):
@@ -199,8 +201,8 @@ def test_broken_model_fails_alone(ten_models):
 
 def test_idle_models_are_unloaded_but_busy_ones_stay(ten_models):
     events = []
-    reg = Registry("cpu", 5, 0, "lru", 0.2, 1, False, ten_models.get, lambda m, e, ms, b, fps: events.append((m, e)),
-                   lambda: None)
+    options = InferenceConfig(max_models_per_worker=5, idle_unload_s=0.2, intra_op_threads=1)
+    reg = Registry(CpuDevice(), options, 1, ten_models.get, lambda m, e, ms, b, fps: events.append((m, e)), lambda: None)
     for name in ("m0", "m1"):
         _load(reg, name)
     reg.queued("m1")

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from config.assets import AssetError
+from config.schema import InferenceConfig
 from gpu_actor.device import StandInDevice
 from gpu_actor.graphs import split_model
 from gpu_actor.model_builder import build_model, write_model
@@ -21,6 +21,8 @@ from gpu_actor.shapes import BatchShapes, Step, prepared_sizes
 from gpu_actor.shared import Architectures
 from gpu_actor.visual import VisualFrames, build_visual
 from gpu_actor.weights import ALIGN, layout
+
+OPTIONS = InferenceConfig(max_models_per_worker=4, intra_op_threads=1)
 
 
 # -- the batch-size table ------------------------------------------------------------------------------
@@ -78,7 +80,7 @@ def _inputs(n: int, seed: int = 0):
 def test_a_shared_session_with_the_weights_bound_per_call_computes_what_the_models_own_session_does(tmp_path, kind):
     paths = [write_model(tmp_path / f"{k}.onnx", kind=kind, seed=k) for k in range(2)]
     device = StandInDevice(0.0)
-    archs = Architectures(device, 4, 0, False, False)
+    archs = Architectures(device, 4, 0, False)
     runners = [archs.load(p) for p in paths]
     assert len(archs.prepared) == 1 and runners[0].prepared is runners[1].prepared
     for n in (1, 3, 6) if kind == "tiny" else (1, 3):   # 3: padded to 4; 6: a full 4 and 2
@@ -94,7 +96,7 @@ def test_the_visual_input_built_per_call_and_padding_rows_left_by_a_larger_call_
     """A batch of 5 runs at size 8: its rows 5..7 are zeros in every staging buffer (crops, visual, audio),
     whatever a call of 8 left there, crops or float visuals; and its mouths are the model's own."""
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=5)
-    runner = Architectures(StandInDevice(0.0), 8, 0, False, False).load(path)
+    runner = Architectures(StandInDevice(0.0), 8, 0, False).load(path)
     p = runner.prepared
     rng = np.random.default_rng(1)
     crops = [rng.integers(1, 256, (328, 328, 3), dtype=np.uint8) for _ in range(8)]
@@ -124,7 +126,7 @@ def test_the_visual_input_built_per_call_and_padding_rows_left_by_a_larger_call_
 def test_the_first_model_prepares_every_size_once_later_models_of_its_architecture_none(tmp_path):
     stall = 0.2
     device = StandInDevice(stall)
-    archs = Architectures(device, 8, 0, False, False)
+    archs = Architectures(device, 8, 0, False)
     t0 = time.perf_counter()
     first = archs.load(write_model(tmp_path / "a.onnx", kind="tiny", seed=1))
     prepared = device.stalls   # the model's sessions at sizes 1, 2, 4, 8, and the crops graph's
@@ -149,8 +151,7 @@ def test_a_weight_that_does_not_fit_its_graph_fails_that_load_naming_the_tensor_
     onnx.save(model, tmp_path / "bad.onnx")
     events = []
     paths = {"bad": tmp_path / "bad.onnx", "good": write_model(tmp_path / "good.onnx", kind="tiny")}
-    reg = Registry(StandInDevice(0.0), 4, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]),
-                   lambda: None, max_batch=4)
+    reg = Registry(StandInDevice(0.0), OPTIONS, 4, paths.get, lambda *e: events.append(e[:2]), lambda: None)
     for model_id in ("bad", "good"):
         reg.start_load(model_id)
         reg.loading[model_id].result(60)
@@ -164,8 +165,7 @@ def test_a_weight_that_does_not_fit_its_graph_fails_that_load_naming_the_tensor_
 def test_a_model_replaced_on_disk_and_unloaded_serves_its_new_weights(tmp_path):
     path = tmp_path / "m.onnx"
     write_model(path, kind="tiny", seed=1)
-    reg = Registry(StandInDevice(0.0), 4, 0, "lru", 0, 1, False, {"m": path}.get, lambda *e: None,
-                   lambda: None, max_batch=4)
+    reg = Registry(StandInDevice(0.0), OPTIONS, 4, {"m": path}.get, lambda *e: None, lambda: None)
 
     def run() -> np.ndarray:
         reg.start_load("m")
@@ -200,7 +200,7 @@ def test_with_cuda_graphs_models_that_alternate_each_get_their_own_weights_in_th
     addresses it captured); a model's weights are copied in when another model ran last. Run on the
     stand-in, which binds alike (onnxruntime's graphs themselves need a card: tests/test_gpu.py)."""
     paths = [write_model(tmp_path / f"{k}.onnx", kind="tiny", seed=k) for k in range(3)]
-    archs = Architectures(StandInDevice(0.0), 4, 0, False, False, graphs=True)
+    archs = Architectures(StandInDevice(0.0), 4, 0, False, graphs=True)
     runners = [archs.load(p) for p in paths]
     prepared = runners[0].prepared
     assert prepared.slot is not None
@@ -221,11 +221,11 @@ def test_with_cuda_graphs_models_that_alternate_each_get_their_own_weights_in_th
 
 def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_a_held_one(tmp_path):
     paths = {m: write_model(tmp_path / f"{m}.onnx", kind="tiny", seed=k) for k, m in enumerate("abcd")}
-    weights = Architectures(StandInDevice(0.0), 2, 0, False, False).load(paths["a"]).nbytes
+    weights = Architectures(StandInDevice(0.0), 2, 0, False).load(paths["a"]).nbytes
     device = StandInDevice(0.0, memory_bytes=2 * weights)   # a card with room for two models' weights
     events: list = []
-    reg = Registry(device, 8, 0, "lru", 0, 1, False, paths.get, lambda *e: events.append(e[:2]), lambda: None,
-                   max_batch=2)
+    reg = Registry(device, InferenceConfig(max_models_per_worker=8, intra_op_threads=1), 2, paths.get,
+                   lambda *e: events.append(e[:2]), lambda: None)
 
     def load(model: str):
         reg.start_load(model)
