@@ -10,7 +10,9 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from config import parse_config
@@ -30,7 +32,17 @@ def _device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu or cuda:N (N: the GPU's index)")
 
 
+def _write_json(path: str, results: dict) -> None:
+    """`results` into `path` whole or not at all: a temporary file beside it, renamed over it."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    os.replace(tmp, target)
+
+
 def main() -> int:
+    started = time.monotonic()   # (the gpu bench's --budget-s counts from here: the demo's build is in it)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "transport", "cpu", "h264",
                                                          "startup", "avatars", "first_words", "importer", "gpu"],
@@ -49,8 +61,9 @@ def main() -> int:
                              "10,20,30,40); gpu bench: its live levels (default 16,48,96,150,200 on a GPU, 1,2 on the CPU)")
     parser.add_argument("--silent", type=_counts, default=(100, 200, 300),
                         help="sessions bench: silent levels (sessions, comma-separated; '' for none)")
-    parser.add_argument("--pcm-levels", type=_counts, default=(10, 20),
-                        help="sessions bench (jpeg): 16 kHz PCM speaking levels ('' for none)")
+    parser.add_argument("--pcm-levels", type=_counts, default=None,
+                        help="sessions bench (jpeg): 16 kHz PCM speaking levels ('' for none; default 10,20); gpu "
+                             "bench: its live PCM levels (default 48,150 on a GPU, 1 on the CPU)")
     parser.add_argument("--admission", action="store_true",
                         help="sessions bench: past capacity, with the server's admission on: each of --levels is a "
                              "number of sessions asked for at once (each asks again on busy, as told, for 10 s), on a "
@@ -83,6 +96,12 @@ def main() -> int:
                           "comma list of fp32, fp16, fp32+graphs, fp16+graphs (inference.precision, "
                           "inference.cuda_graphs); the other sections run the first (default all four on a GPU, "
                           "fp32 on the CPU, fp32,fp16 with --stand-in)")
+    gpu.add_argument("--live-s", type=float, metavar="S", help="seconds per live level (default --seconds)")
+    gpu.add_argument("--budget-s", type=float, metavar="S",
+                     help="the whole run's seconds, the demo's build included: before each section its cost is "
+                          "estimated (from the settings and what the run measured so far) and a section that would "
+                          "not fit is skipped and named (default: no limit). The JSON is written after every "
+                          "section; SIGINT or SIGTERM stops the run, its servers and keeps what it measured")
     args = parser.parse_args()
     gpu_settings = None
     if args.what == "gpu":   # NOTE: before the demo's build: a variant the device does not run is refused at once
@@ -90,7 +109,8 @@ def main() -> int:
         try:
             gpu_settings = gpu.options(args.device, args.model, args.max_batch, args.levels, args.seconds,
                                        args.speaking, args.max_models, args.avatars, args.residency_s, args.stand_in,
-                                       args.budget_ms, variants=args.variants)
+                                       args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
+                                       live_s=args.live_s, budget_s=args.budget_s)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)
@@ -122,7 +142,8 @@ def main() -> int:
             results["sessions"] = sessions.run_admission(models_dir, args.seconds, levels, fmt=args.format,
                                                          budget_ms=args.budget_ms, shed=not args.no_shed)
         else:
-            results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, args.pcm_levels,
+            pcm_levels = args.pcm_levels if args.pcm_levels is not None else (10, 20)
+            results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
                                                shed=not args.no_shed)
@@ -151,10 +172,20 @@ def main() -> int:
         results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
     if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
         from bench import gpu
-        results["gpu"] = gpu.run(models_dir, gpu_settings)
+
+        def save(figures: dict) -> None:   # after each section: what a run cut short still returns
+            if args.json:
+                _write_json(args.json, {**results, "gpu": figures})
+        results["gpu"] = gpu.run(models_dir, gpu_settings, save, started)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
+        _write_json(args.json, results)
+    stopped_by = results.get("gpu", {}).get("run", {}).get("signal")
+    if stopped_by:
+        # NOTE: its servers are stopped and its figures written; the section the signal cut short is left in
+        # its thread (bench/gpu.py, _Run._in_thread), maybe waiting for a server that is gone: not waited for
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + stopped_by)
     return 0
 
 

@@ -130,10 +130,16 @@ def _resident_call(session, io, device: str, batch: int, rng: np.random.Generato
     return call
 
 
+def _own_session(model: Path, dev):
+    """`model` in a session of its own on `dev` (a gpu_actor device), made as a worker makes one."""
+    from gpu_actor.runner import own_session
+    return own_session(model, dev, 0)
+
+
 def anchor(model: Path, device: str, sizes: tuple[int, ...], seconds: float) -> dict:
     """onnxruntime alone, the session made as a worker makes it, at each of `sizes`."""
-    from gpu_actor.runner import make_session
-    session = make_session(model, device, threads=0)
+    from gpu_actor.device import CpuDevice, CudaDevice
+    session = _own_session(model, CpuDevice() if device == "cpu" else CudaDevice(device))
     io = _io(session, model)
     rng = np.random.default_rng(0)
     out = {}
@@ -188,7 +194,7 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
     sizes = dev.sizes(max_batch if gpu else 1)
     batches = tuple(dict.fromkeys((1, max(sizes))))
     rng = np.random.default_rng(0)
-    architectures = Architectures(dev, max(sizes), 0, False, False)
+    architectures = Architectures(dev, max(sizes), 0, False)
     own = _own_calls_gpu if gpu else _own_calls_cpu
 
     def ready(make: Callable[[], object]) -> tuple[object, dict]:
@@ -196,9 +202,9 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
         made = make()
         return made, {"ms": (time.perf_counter() - t) * 1000, "mib": (dev.memory_used() - before) / 2 ** 20}
 
-    own_calls, own_ready = ready(lambda: own(model, device, batches, rng))
+    own_calls, own_ready = ready(lambda: own(model, dev, batches, rng))
     shared, shared_ready = ready(lambda: architectures.load(model))
-    further_own, own_further = ready(lambda: own(further, device, batches, rng))
+    further_own, own_further = ready(lambda: own(further, dev, batches, rng))
     further_shared, shared_further = ready(lambda: architectures.load(further))
     del further_own, further_shared
     shared_calls = _shared_calls(shared, dev, batches, rng)
@@ -210,10 +216,11 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
     return out
 
 
-def _own_calls_cpu(model: Path, device: str, batches: tuple[int, ...], rng) -> dict:
+def _own_calls_cpu(model: Path, dev, batches: tuple[int, ...], rng) -> dict:
     """A worker's session of the model's own on the CPU provider, loaded as a worker loads it."""
+    from gpu_actor.device import CpuDevice
     from gpu_actor.runner import ModelRunner
-    runner = ModelRunner(model, "cpu", threads=0)
+    runner = ModelRunner(model, CpuDevice(), threads=0)
     runner.warm_up()
     return _run_calls(runner, batches, rng)
 
@@ -229,12 +236,11 @@ def _run_calls(runner, batches: tuple[int, ...], rng) -> dict:
     return calls
 
 
-def _own_calls_gpu(model: Path, device: str, batches: tuple[int, ...], rng) -> dict:
+def _own_calls_gpu(model: Path, dev, batches: tuple[int, ...], rng) -> dict:
     """The anchor's session, ready when it has run once at each batch (cuDNN's plans for its shapes)."""
-    from gpu_actor.runner import make_session
-    session = make_session(model, device, threads=0)
+    session = _own_session(model, dev)
     io = _io(session, model)
-    calls = {b: _resident_call(session, io, device, b, rng) for b in batches}
+    calls = {b: _resident_call(session, io, dev.name, b, rng) for b in batches}
     for call in calls.values():
         call()
     return calls

@@ -1,6 +1,6 @@
-"""bench gpu, the sections that drive a server: each batch size's first call after ready, served `infer`
-against the anchor, live sessions, a model's load to its first frame, a load while sessions speak, and
-how many models stay resident."""
+"""bench gpu, the sections that drive a server: each batch size's first call after ready, calls alternating
+between shapes, served `infer` against the anchor, live sessions (audio windows or 16 kHz PCM), a model's
+load to its first frame, a load while sessions speak, and how many models stay resident."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import statistics
 import time
 import urllib.request
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -27,6 +28,61 @@ def alternating(batches: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dict.fromkeys((lo, mid, hi)))
 
 
+# -- the servers --------------------------------------------------------------------------------------
+
+class LazyServer:
+    """A server of one variant: started by the first section that needs it, stopped by `stop`."""
+
+    def __init__(self, root: Path, cfg: dict, env: Optional[dict]):
+        self.root, self.cfg, self.env = root, cfg, env
+        self.srv, self._cm, self.error = None, None, None
+        self.start_s: Optional[float] = None   # from its start to READY, once started
+
+    @property
+    def running(self) -> bool:
+        return self.srv is not None
+
+    def get(self):
+        from tests.helpers import run_server
+        if self.error is not None:
+            raise RuntimeError(f"the server did not start: {self.error}")
+        if self.srv is None:
+            t, cm = time.monotonic(), run_server(self.root, self.cfg, env=self.env)
+            try:
+                self.srv = cm.__enter__()
+            except Exception as err:
+                self.error = f"{type(err).__name__}: {err}"
+                raise
+            self._cm, self.start_s = cm, time.monotonic() - t
+        return self.srv
+
+    def stop(self) -> Optional[str]:
+        """Stop it (its processes gone, its shared memory unlinked): None, or what went wrong."""
+        if self._cm is None:
+            return None
+        cm, self._cm, self.srv = self._cm, None, None
+        try:
+            cm.__exit__(None, None, None)
+        except Exception as err:   # a non-zero exit, a process or /dev/shm entry left behind
+            return f"{type(err).__name__}: {err}"
+        return None
+
+
+def stop_children(timeout_s: float = 60.0) -> list[str]:
+    """SIGTERM every process this one started that still runs (a server whose start a signal cut short, in
+    a section's thread), and wait for it: what had to be stopped so."""
+    children = psutil.Process().children()
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout_s)
+    for child in alive:
+        child.kill()
+    return [f"pid {c.pid}" for c in children]
+
+
 # -- one server's infer ------------------------------------------------------------------------------
 
 def _inputs(batch: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -44,7 +100,7 @@ def _timed(client, model: str, visual: np.ndarray, audio: np.ndarray) -> tuple[f
 
 def first_calls(srv, model: str, batches: tuple[int, ...], steady_calls: int) -> dict:
     """On a server just ready: the model's load, then one `infer` at each batch size (its first), then
-    each size's steady time (median of `steady_calls`), then calls alternating between shapes."""
+    each size's steady time (median of `steady_calls`)."""
     inputs = {b: _inputs(b) for b in batches}
     with srv.client(timeout_s=600) as c:
         t = time.perf_counter()
@@ -52,14 +108,9 @@ def first_calls(srv, model: str, batches: tuple[int, ...], steady_calls: int) ->
         load = {"client_ms": (time.perf_counter() - t) * 1000, "load_ms": reply.get("load_ms")}
         first = {b: _timed(c, model, *inputs[b]) for b in batches}
         steady = {b: [_timed(c, model, *inputs[b]) for _ in range(steady_calls)] for b in batches}
-        shapes = alternating(batches)
-        mixed: dict = {b: [] for b in shapes}
-        for _ in range(steady_calls):
-            for b in shapes:
-                mixed[b].append(_timed(c, model, *inputs[b]))
     med = {b: (statistics.median(v[0] for v in calls), statistics.median(v[1] for v in calls))
            for b, calls in steady.items()}
-    out = {"load": load, "batches": {}, "alternating": {}}
+    out = {"load": load, "batches": {}}
     print(f"  load: {load['client_ms']:.0f} ms (the worker's load_ms {_ms(load['load_ms'])})")
     print(f"  {'batch':>5} {'first ms':>9} {'(inference)':>11} {'steady ms':>10} {'(inference)':>11} {'first/steady':>12}")
     for b in batches:
@@ -68,13 +119,28 @@ def first_calls(srv, model: str, batches: tuple[int, ...], steady_calls: int) ->
                              "steady_inference_ms": med[b][1], "ratio": ratio}
         print(f"  {b:5d} {first[b][0]:9.1f} {first[b][1]:11.1f} {med[b][0]:10.1f} {med[b][1]:11.1f} {ratio:12.2f}",
               flush=True)
-    print(f"\ncalls alternating between shapes {', '.join(map(str, shapes))} ({steady_calls} rounds), "
-          "median vs the same shape's steady calls:")
+    return out
+
+
+def alternating_calls(srv, model: str, shapes: tuple[int, ...], rounds: int, steady: Optional[dict]) -> dict:
+    """`rounds` rounds of one `infer` at each of `shapes`: each shape's median against its steady time
+    (`steady`: first_calls' batches; where it lacks a shape, `rounds` calls at that shape first)."""
+    inputs = {b: _inputs(b) for b in shapes}
+    steady_ms, mixed = {}, {b: [] for b in shapes}
+    with srv.client(timeout_s=600) as c:
+        for b in shapes:
+            row = (steady or {}).get(b)
+            steady_ms[b] = row["steady_ms"] if row else statistics.median(
+                _timed(c, model, *inputs[b])[0] for _ in range(rounds + 1))
+        for _ in range(rounds):
+            for b in shapes:
+                mixed[b].append(_timed(c, model, *inputs[b]))
+    out = {}
     for b, calls in mixed.items():
         ms = statistics.median(v[0] for v in calls)
-        out["alternating"][b] = {"ms": ms, "max_ms": max(v[0] for v in calls), "ratio": ms / med[b][0]}
-        print(f"  batch {b:3d}: {ms:8.1f} ms (max {out['alternating'][b]['max_ms']:.1f}) vs steady {med[b][0]:.1f} "
-              f"= {ms / med[b][0]:.2f}x", flush=True)
+        out[b] = {"ms": ms, "max_ms": max(v[0] for v in calls), "steady_ms": steady_ms[b], "ratio": ms / steady_ms[b]}
+        print(f"  batch {b:3d}: {ms:8.1f} ms (max {out[b]['max_ms']:.1f}) vs steady {steady_ms[b]:.1f} "
+              f"= {ms / steady_ms[b]:.2f}x", flush=True)
     return out
 
 
@@ -126,13 +192,16 @@ def served(srv, model: str, batches: tuple[int, ...], sizes: tuple[int, ...], a:
 
 # -- live sessions and models ------------------------------------------------------------------------
 
-def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int) -> list[dict]:
+def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
+         pcm: Optional[np.ndarray] = None) -> list[dict]:
+    """bench/sessions.py's speaking levels on the model "avatar": audio windows, one per frame period, or
+    with `pcm` (16 kHz int16) that utterance from its start in 20-ms chunks in real time, once per burst."""
     from bench.sessions import _print, _run_level
     with srv.client(timeout_s=600) as c:   # its load (and a GPU's warm-up of every shape) is not a level's
         c.load("avatar")
     out = []
     for n in levels:
-        r = _run_level(srv, n, seconds, 0.27, fmt="jpeg", metrics_port=metrics_port)
+        r = _run_level(srv, n, seconds, 0.27, pcm, fmt="jpeg", metrics_port=metrics_port)
         _print(r)
         inferred = r["speech"] / seconds
         gpu = r["processes"].get("gpu0", {}).get("cpu", 0.0)

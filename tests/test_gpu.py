@@ -28,7 +28,7 @@ def _gpu_missing() -> str | None:
     return None
 
 
-@pytest.fixture(params=["stand-in", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(params=["standin", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
     if request.param == "cuda":
         missing = _gpu_missing()
