@@ -4,7 +4,7 @@ The sections, in the order of their value (a run cut short keeps the first ones)
 
 1. on a fresh server, each batch size's first `infer` after ready against its steady time;
 2. the anchor: onnxruntime alone on the real-size unet_328 (random weights), its inputs and outputs
-   already on the device, at each prepared shape (the batch sizes a worker runs: `prepared_sizes`);
+   already on the device, at each prepared shape (the batch sizes a worker runs: gpu_actor/shapes.prepared_sizes);
 3. served `infer` per batch (visual input sent, 2 in flight) and its ratio to the anchor at that batch,
    with the inference process's CPU per 1,000 frames/s;
 4. live JPEG levels, 27 % speaking: audio windows, then 16 kHz PCM in 20-ms chunks in real time;
@@ -44,12 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from bench.gpu_device import anchor, cuda_index, device_name, own_vs_shared, pick_device, print_anchor, \
+from bench.gpu_device import anchor, device_name, own_vs_shared, pick_device, print_anchor, \
     print_own_vs_shared
 from bench.gpu_server import WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
     load_while_speaking, residency, served, stop_children
+from gpu_actor.device import STAND_IN_ENV, cuda_id
+from gpu_actor.shapes import prepared_sizes
 
-STAND_IN_ENV = "LIPSYNC_STAND_IN_STALL_S"
 DISTINCT_WEIGHTS = 8              # residency: model files of distinct weights, the ids beyond hard-linked
 VARIANTS = ("fp32", "fp16", "fp32+graphs", "fp16+graphs")
 PCM_SECONDS = 4.0                 # the utterance a PCM session sends from its start in each burst
@@ -123,13 +124,6 @@ def _described(variant: str) -> str:
 
 
 # -- shapes ------------------------------------------------------------------------------------------
-
-def prepared_sizes(max_batch: int, device: str) -> tuple[int, ...]:
-    """The batch sizes a worker runs onnxruntime at, a batch padded up to the next: on a GPU the powers of
-    two below `limits.max_batch` and max_batch itself; on the CPU provider one frame per call."""
-    from gpu_actor.shapes import prepared_sizes as worker_sizes
-    return tuple(worker_sizes(max_batch, batched=device != "cpu"))
-
 
 def served_batches(sizes: tuple[int, ...], max_batch: int) -> tuple[int, ...]:
     """The prepared sizes and a few between them."""
@@ -321,7 +315,7 @@ def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -
     from tests.helpers import base_config
     return base_config(models, **{
         **_settings("jpeg", o.budget_ms), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
-        "inference.devices": "cpu" if o.device == "cpu" else [cuda_index(o.device)],
+        "inference.devices": "cpu" if o.device == "cpu" else [cuda_id(o.device)],
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
         "metrics.port": metrics_port, **variant_settings(variant)})
 
@@ -368,7 +362,8 @@ def run(demo_dir: str, o: GpuBenchOptions, save: Callable[[dict], None] = lambda
     root = Path(tempfile.mkdtemp(prefix="lsync-gpu-"))
     env = {STAND_IN_ENV: str(o.stand_in)} if o.stand_in is not None else None
     # the shapes the worker runs (with the stand-in, the GPU path's, on the CPU provider): the anchor's too
-    sizes = prepared_sizes(o.max_batch, "cuda:0" if env else o.device)
+    # the worker's own table: batched on a card and on the stand-in, one frame a call on the CPU provider
+    sizes = prepared_sizes(o.max_batch, batched=bool(env) or o.device != "cpu")
     results: dict = {"device": o.device, "device_name": device_name(o.device), "model": o.model,
                      "prepared_sizes": sizes, "stand_in_s": o.stand_in, "variants_run": o.variants,
                      "run": {"budget_s": o.budget_s, "elapsed_s": 0.0, "sections": {}, "skipped": {},

@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 
+from gpu_actor.device import cuda_id
+
 OWN_VS_SHARED_MIN_ROUNDS = 3
 
 
@@ -35,10 +37,6 @@ def pick_device(wanted: str) -> str:
         return "cpu"
 
 
-def cuda_index(device: str) -> int:
-    return int(device.split(":")[1])
-
-
 def _smi(query: str, index: int) -> Optional[str]:
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-i", str(index)],
@@ -50,7 +48,7 @@ def _smi(query: str, index: int) -> Optional[str]:
 
 def device_name(device: str) -> str:
     if device != "cpu":
-        index = cuda_index(device)
+        index = cuda_id(device)
         smi = _smi("name,memory.total", index)
         if smi:
             name, mib = (v.strip() for v in smi.rsplit(",", 1))
@@ -78,26 +76,16 @@ def memory_mib(device: str, pid: int) -> Optional[float]:
             return psutil.Process(pid).memory_info().rss / 2 ** 20
         except psutil.Error:
             return None
-    used = _smi("memory.used", cuda_index(device))
+    used = _smi("memory.used", cuda_id(device))
     if used:
         return float(used)
     try:
         import cupy
-        with cupy.cuda.Device(cuda_index(device)):
+        with cupy.cuda.Device(cuda_id(device)):
             free, total = cupy.cuda.runtime.memGetInfo()
         return (total - free) / 2 ** 20
     except Exception:
         return None
-
-
-def calls_for(batch: int, sizes: tuple[int, ...]) -> list[int]:
-    """The prepared shapes a batch runs as: chunks of the largest, the last padded up to the next."""
-    out, rest = [], batch
-    while rest > 0:
-        n = min(rest, max(sizes))
-        out.append(min(s for s in sizes if s >= n))
-        rest -= n
-    return out
 
 
 # -- the anchor --------------------------------------------------------------------------------------
@@ -112,7 +100,7 @@ def _resident_call(session, io, device: str, batch: int, rng: np.random.Generato
     """One call of `session` at `batch`, its inputs and output bound where they live (OrtValues on the
     device): the model's work and nothing else."""
     import onnxruntime as ort
-    where, index = ("cpu", 0) if device == "cpu" else ("cuda", cuda_index(device))
+    where, index = ("cpu", 0) if device == "cpu" else ("cuda", cuda_id(device))
     visual = ort.OrtValue.ortvalue_from_numpy(rng.random((batch, 6, 320, 320), dtype=np.float32), where, index)
     audio = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, *io.audio_shape)).astype(np.float32),
                                              where, index)
@@ -163,16 +151,12 @@ def print_anchor(a: dict) -> None:
 
 
 def anchor_fps(batch: int, sizes: tuple[int, ...], a: dict) -> float:
-    """Frames/s of the anchor for `batch` frames run as the worker runs them (calls_for)."""
-    return batch / sum(a[s]["ms"] for s in calls_for(batch, sizes)) * 1000
+    """Frames/s of the anchor for `batch` frames run as the worker runs them (its calls' plan)."""
+    from gpu_actor.shapes import BatchShapes
+    return batch / sum(a[step.size]["ms"] for step in BatchShapes(sizes).plan(batch)) * 1000
 
 
 # -- a model's own session against its architecture's shared session -------------------------------
-
-# NOTE: gpu_actor/device.py's CpuDevice keeps a session per model on this figure: a real-size unet_328
-# frame in 47.0 ms in its own session against 80.4 ms with its weights as inputs (a 2-core x86 host)
-CPU_OWN_MS, CPU_SHARED_MS = 47.0, 80.4
-
 
 def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, seconds: float) -> dict:
     """`model` in a session of its own and in its architecture's shared session (weights bound per call)
@@ -283,7 +267,7 @@ def _rounds(own: Callable[[], None], shared: Callable[[], None], batch: int, sec
 
 
 def print_own_vs_shared(r: dict, reference: bool) -> None:
-    """`reference`: the CPU figures the design rests on (CPU_OWN_MS, CPU_SHARED_MS) are this run's kind."""
+    """`reference`: this run is of the kind gpu_actor/device.py's choice for the CPU rests on."""
     mem = r["memory"]
     weights = r["weights_mib"]
     print("  the model's weights: " + (f"{weights:.1f} MiB" if weights >= 1 else f"{weights * 1024:.1f} KiB"))
@@ -297,8 +281,8 @@ def print_own_vs_shared(r: dict, reference: bool) -> None:
               f"{v['rounds']:7d}")
     if reference:
         v = r["batches"][1]
-        print(f"  the CPU provider keeps a session per model (gpu_actor/device.py) on {CPU_OWN_MS} ms a frame in its "
-              f"own session against {CPU_SHARED_MS} ms with its weights as inputs ({CPU_SHARED_MS / CPU_OWN_MS:.2f}x, "
-              f"a 2-core x86 host); this run: {v['own_ms_per_frame']:.1f} against {v['shared_ms_per_frame']:.1f} ms "
-              f"({v['ratio']:.2f}x)")
+        verdict = "keeps" if v["ratio"] >= 1 else "should not keep"
+        print(f"  the CPU provider {verdict} a session per model (gpu_actor/device.py): this run, one frame a call, "
+              f"{v['own_ms_per_frame']:.1f} ms in its own session against {v['shared_ms_per_frame']:.1f} ms with its "
+              f"weights as inputs ({v['ratio']:.2f}x)")
     sys.stdout.flush()
