@@ -48,7 +48,8 @@ from bench.gpu_device import anchor, device_name, own_vs_shared, pick_device, pr
     print_own_vs_shared
 from bench.gpu_server import WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
     load_while_speaking, residency, served, stop_children
-from gpu_actor.device import STAND_IN_ENV, cuda_id
+from gpu_actor.device import STAND_IN_ENV
+from gpu_actor.onnx_sessions import cuda_id
 from gpu_actor.shapes import prepared_sizes
 
 DISTINCT_WEIGHTS = 8              # residency: model files of distinct weights, the ids beyond hard-linked

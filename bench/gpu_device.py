@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 
-from gpu_actor.device import cuda_id
+from gpu_actor.onnx_sessions import cuda_id
 
 OWN_VS_SHARED_MIN_ROUNDS = 3
 
@@ -126,7 +126,8 @@ def _own_session(model: Path, dev):
 
 def anchor(model: Path, device: str, sizes: tuple[int, ...], seconds: float) -> dict:
     """onnxruntime alone, the session made as a worker makes it, at each of `sizes`."""
-    from gpu_actor.device import CpuDevice, CudaDevice
+    from gpu_actor.cuda import CudaDevice
+    from gpu_actor.device import CpuDevice
     session = _own_session(model, CpuDevice() if device == "cpu" else CudaDevice(device))
     io = _io(session, model)
     rng = np.random.default_rng(0)
@@ -171,7 +172,8 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
     the host copies a worker adds (served infer has them)."""
     import onnx   # noqa: F401  NOTE: imported before memory is measured: the shared load needs them
     import gpu_actor.preprocess  # noqa: F401
-    from gpu_actor.device import CudaDevice, StandInDevice
+    from gpu_actor.cuda import CudaDevice
+    from gpu_actor.device import StandInDevice
     from gpu_actor.shared import Architectures
     gpu = device != "cpu"
     dev = CudaDevice(device) if gpu else StandInDevice(0.0)

@@ -25,7 +25,7 @@ import numpy as np
 
 from config import audio as A
 from config.assets import AssetError
-from gpu_actor.device import session_options, short
+from gpu_actor.onnx_sessions import session_options, short
 from gpu_actor.shapes import BatchShapes
 
 log = logging.getLogger(__name__)

@@ -6,9 +6,11 @@
            change with the precision
 
 `to_fp16` converts with onnxconverter-common's `float16.convert_float_to_float16(keep_io_types=True)`
-and gives a model it cannot convert back unchanged, with a warning to log. Which precisions a device
-runs is the device's (`Device.precisions`: the CPU provider runs fp32 only, gpu_actor/device.py says why). Ops onnxconverter-common keeps in float32
-(its default block list: Resize among them) get Casts around them.
+and gives a model it cannot convert back unchanged, with a warning to log. Ops onnxconverter-common
+keeps in float32 (its default block list: Resize among them) get Casts around them. `fp16_architecture`
+finds how many leading convolutions must stay float32 for the composited crop to stay within 45 dB of
+fp32's, on the worker's device. Which precisions a device runs is the device's (`Device.precisions`:
+the CPU provider runs fp32 only, gpu_actor/device.py says why).
 
 The crops graph that makes a GPU worker's visual input (gpu_actor/preprocess.py) is a session of its
 own, never converted: it stays float32 and equal to build_visual's, and the converted model's input
@@ -17,11 +19,21 @@ Cast takes its output to float16.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
+from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import onnx
+
+from gpu_actor.onnx_sessions import session_options
+from gpu_actor.graphs import Architecture, Split, split_proto
+
+log = logging.getLogger(__name__)
+FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's
+FP16_KEEP_FP32 = (0, 2, 4, 8, 16, 32, 1 << 30)   # leading convolutions kept in fp32, tried in turn
 
 def _named(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose nodes all have unique names.
@@ -77,3 +89,59 @@ def to_fp16(model: onnx.ModelProto, keep_fp32: int = 0) -> tuple[onnx.ModelProto
     except Exception as err:  # the converter and the checker raise many types, for one reason: not this model
         return model, f"inference.precision: fp16: the model cannot be converted, running fp32: {_culprit(err, named)}"
     return converted, None
+
+
+def crop(mouths: dict | np.ndarray) -> np.ndarray:
+    """Mouths as the compositor pastes them, floor(255 * P) in 0..255 (cpu_actor/composite.py)."""
+    mouths = mouths["out"] if isinstance(mouths, dict) else mouths
+    return np.clip(np.floor(255 * mouths.astype(np.float64)), 0, 255)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a - b) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+
+
+def fp16_architecture(path: Path, split: Split, device, threads: int, spin: bool) -> Architecture:
+    """(The load thread) `split`'s architecture in float16 (inputs and output float32), its first
+    convolutions kept in float32 until its mouths, run on `device`, keep the crop within FP16_MIN_PSNR_DB
+    of fp32's (a probe of random frames; SyncTalk_2D's imported unet_328 needs its first 8 of 93); fp32's
+    if none does."""
+    probe = _probe(device, threads, spin, split.architecture, split.weights, None)
+    reference = crop(probe)
+    convs = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "Conv")
+    for keep in FP16_KEEP_FP32:
+        converted, warning = to_fp16(onnx.load(str(path)), keep_fp32=min(keep, convs))
+        if warning:
+            log.warning("%s: %s", path, warning)
+            return split.architecture
+        half = split_proto(converted, path)
+        mouths = _probe(device, threads, spin, half.architecture, half.architecture.weights_of(str(path), split), probe)
+        db = psnr(crop(mouths), reference)
+        if db >= FP16_MIN_PSNR_DB:
+            log.info("%s: fp16 with its first %d of %d convolutions in fp32: crop %.1f dB from fp32's",
+                     path, min(keep, convs), convs, db)
+            return half.architecture
+        if keep >= convs:
+            break
+    log.warning("%s: inference.precision fp16 keeps the crop within %.1f dB of fp32's at best, under %.0f dB: "
+                "running fp32", path, db, FP16_MIN_PSNR_DB)
+    return split.architecture
+
+
+def _probe(device, threads: int, spin: bool, architecture: Architecture, weights: list,
+           inputs: Optional[dict]) -> dict:
+    """Run `architecture` once on `device` (a batch of 2, a session of its own): {"out": mouths}, and the
+    probe's inputs the first time (None): random frames, seeded."""
+    names = set(architecture.weights)
+    with device.lock:
+        session = device.session(architecture.graph, session_options(threads, spin))
+        feeds = [i for i in session.get_inputs() if i.name not in names]
+        if inputs is None:
+            rng = np.random.default_rng(0)
+            inputs = {i.name: rng.random((2, *[d if isinstance(d, int) else 1 for d in i.shape[1:]]), dtype=np.float32)
+                      for i in feeds}
+        out = device.infer(session, {**{k: v for k, v in inputs.items() if k != "out"},
+                                     **dict(zip(architecture.weights, weights))})[0]
+        del session   # NOTE: freed under the lock too
+    return {**inputs, "out": out}

@@ -25,7 +25,7 @@ import numpy as np
 
 from config.assets import AssetError
 from config.schema import InferenceConfig
-from gpu_actor.device import out_of_memory
+from gpu_actor.onnx_sessions import out_of_memory
 from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import Architectures
 from shm.child import release_freed_memory

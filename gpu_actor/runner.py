@@ -25,7 +25,8 @@ import numpy as np
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import VISUAL_SHAPE
-from gpu_actor.device import CpuDevice, DeviceError, session_options, short
+from gpu_actor.device import CpuDevice
+from gpu_actor.onnx_sessions import DeviceError, session_options, short
 from gpu_actor.shapes import BatchShapes
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ import numpy as np
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
-from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model, split_proto
-from gpu_actor.device import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
+from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
+from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
 from gpu_actor.runner import dims
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
@@ -38,19 +38,6 @@ from gpu_actor.weights import Weights
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
 CAPTURE_RUNS = 3         # CUDA graphs: onnxruntime runs a session plainly twice, then captures on the third
-FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's
-FP16_KEEP_FP32 = (0, 2, 4, 8, 16, 32, 1 << 30)   # leading convolutions kept in fp32, tried in turn
-
-
-def _crop(out: dict | np.ndarray) -> np.ndarray:
-    """Mouths as the compositor pastes them, floor(255 * P) in 0..255 (cpu_actor/composite.py)."""
-    mouths = out["out"] if isinstance(out, dict) else out
-    return np.clip(np.floor(255 * mouths.astype(np.float64)), 0, 255)
-
-
-def _psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a - b) ** 2))
-    return float("inf") if mse == 0 else 10 * np.log10(255 ** 2 / mse)
 
 
 class Prepared:
@@ -318,7 +305,10 @@ class Architectures:
             prepared = self.prepared.get(key)
         if prepared is None:
             check_convolutions(split.architecture, path)
-            architecture = self._fp16(path, split) if self.precision == "fp16" else split.architecture
+            architecture = split.architecture
+            if self.precision == "fp16":
+                from gpu_actor.precision import fp16_architecture   # NOTE: here: it imports onnx
+                architecture = fp16_architecture(path, split, self.device, *self._options)
             prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs)
             weights = self._weights(architecture, str(path), split)
             prepared.prepare(weights)
@@ -330,50 +320,6 @@ class Architectures:
         else:
             weights = self._weights(prepared.architecture, str(path), split)
         return SharedRunner(prepared, weights, path)
-
-    def _fp16(self, path: Path, split: Split) -> Architecture:
-        """The architecture in float16 (inputs and output float32), its first convolutions kept in float32
-        until its mouths, run on this device, keep the crop within FP16_MIN_PSNR_DB of fp32's (a probe
-        of random frames; SyncTalk_2D's imported unet_328 needs its first 8 of 93); fp32 if none does."""
-        import onnx
-        from gpu_actor.precision import to_fp16
-        probe = self._probe(split.architecture, split.weights, None)
-        reference = _crop(probe)
-        convs = sum(1 for n in onnx.load(str(path), load_external_data=False).graph.node if n.op_type == "Conv")
-        for keep in FP16_KEEP_FP32:
-            converted, warning = to_fp16(onnx.load(str(path)), keep_fp32=min(keep, convs))
-            if warning:
-                log.warning("%s: %s", path, warning)
-                return split.architecture
-            half = split_proto(converted, path)
-            mouths = self._probe(half.architecture, half.architecture.weights_of(str(path), split), probe)
-            psnr = _psnr(_crop(mouths), reference)
-            if psnr >= FP16_MIN_PSNR_DB:
-                log.info("%s: fp16 with its first %d of %d convolutions in fp32: crop %.1f dB from fp32's",
-                         path, min(keep, convs), convs, psnr)
-                return half.architecture
-            if keep >= convs:
-                break
-        log.warning("%s: inference.precision fp16 keeps the crop within %.1f dB of fp32's at best, under %.0f dB: "
-                    "running fp32", path, psnr, FP16_MIN_PSNR_DB)
-        return split.architecture
-
-    def _probe(self, architecture: Architecture, weights: list, inputs: Optional[dict]) -> dict:
-        """Run `architecture` once on this device (a batch of 2, a session of its own): {"out": mouths},
-        and the probe's inputs the first time (None): random frames, seeded."""
-        threads, spin = self._options
-        names = set(architecture.weights)
-        with self.device.lock:
-            session = self.device.session(architecture.graph, session_options(threads, spin))
-            feeds = [i for i in session.get_inputs() if i.name not in names]
-            if inputs is None:
-                rng = np.random.default_rng(0)
-                inputs = {i.name: rng.random((2, *[d if isinstance(d, int) else 1 for d in i.shape[1:]]),
-                                             dtype=np.float32) for i in feeds}
-            out = self.device.infer(session, {**{k: v for k, v in inputs.items() if k != "out"},
-                                              **dict(zip(architecture.weights, weights))})[0]
-            del session   # NOTE: freed under the lock too
-        return {**inputs, "out": out}
 
     def _forget_idle(self) -> None:
         idle = [key for key, p in self.prepared.items() if not p.users]

@@ -34,7 +34,7 @@ def device(request):
         missing = _gpu_missing()
         if missing:
             pytest.skip(missing)
-        from gpu_actor.device import CudaDevice
+        from gpu_actor.cuda import CudaDevice
         return CudaDevice("cuda:0")
     from gpu_actor.device import StandInDevice
     return StandInDevice(0.0)
@@ -101,7 +101,8 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
     """fp16 really runs (a fall-back to fp32, documented, would give equal crops: inf dB), its weights in
     float16. On the stand-in the CPU provider computes in float32 with the weights rounded: the card's
     float16 arithmetic is checked on the card."""
-    from gpu_actor.shared import Architectures, _crop, _psnr
+    from gpu_actor.precision import crop, psnr
+    from gpu_actor.shared import Architectures
     path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="ave", seed=3)
     rng = np.random.default_rng(7)
     visual = rng.random((2, 6, 320, 320), dtype=np.float32)
@@ -113,15 +114,15 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
         runner.run(visual, audio, mouths[precision])
         nbytes[precision] = runner.nbytes
         dtypes[precision] = {np.dtype(d).name for d in runner.prepared.architecture.dtypes}
-    psnr = _psnr(_crop(mouths["fp16"]), _crop(mouths["fp32"]))
-    print(f"\nfp16 vs fp32 on {device.name}: crop PSNR {psnr:.1f} dB, weights {nbytes['fp16']} vs {nbytes['fp32']} bytes")
+    db = psnr(crop(mouths["fp16"]), crop(mouths["fp32"]))
+    print(f"\nfp16 vs fp32 on {device.name}: crop PSNR {db:.1f} dB, weights {nbytes['fp16']} vs {nbytes['fp32']} bytes")
     assert "float16" in dtypes["fp16"] and dtypes["fp32"] == {"float32"}
-    assert nbytes["fp16"] < 0.6 * nbytes["fp32"] and 45 <= psnr < float("inf")
+    assert nbytes["fp16"] < 0.6 * nbytes["fp32"] and 45 <= db < float("inf")
 
 
 def test_the_crops_graph_builds_build_visuals_input_to_the_bit(device):
     from gpu_actor.preprocess import visual_graph
-    from gpu_actor.device import session_options
+    from gpu_actor.onnx_sessions import session_options
     from gpu_actor.visual import build_visual
     crops = np.random.default_rng(4).integers(0, 256, (3, 328, 328, 3), dtype=np.uint8)
     want = np.empty((3, 6, 320, 320), np.float32)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from config.schema import InferenceConfig
-from gpu_actor.device import DeviceError, StandInDevice, new_session, out_of_memory
+from gpu_actor.device import StandInDevice
 from gpu_actor.model_builder import write_model
 from gpu_actor.registry import Registry
-from gpu_actor.device import session_options
+from gpu_actor.onnx_sessions import DeviceError, new_session, out_of_memory, session_options
 from gpu_actor.runner import ModelRunner
 from gpu_actor.shared import CAPTURE_RUNS, Architectures
 from tests.helpers import ROOT

@@ -15,7 +15,9 @@ from frontend.server.onnx_io import read_model_io
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.registry import Registry
 from config.schema import InferenceConfig
-from gpu_actor.device import CpuDevice, CudaDevice, DeviceError, make_device, new_session, session_options
+from gpu_actor.cuda import CudaDevice
+from gpu_actor.device import CpuDevice, make_device
+from gpu_actor.onnx_sessions import DeviceError, new_session, session_options
 from gpu_actor.runner import ModelRunner, own_session
 
 

@@ -221,15 +221,15 @@ def test_work_routes_itself():
 
 
 def test_onnxruntime_sessions_are_made_in_one_place():
-    """Every onnxruntime session of the server is made by gpu_actor/device.new_session: its providers
-    checked, never a quiet CPU fall-back (gpu_actor/device.py says why)."""
+    """Every onnxruntime session of the server is made by gpu_actor/sessions.new_session: its providers
+    checked, never a quiet CPU fall-back (gpu_actor/onnx_sessions.py says why)."""
     sites = []
     for room in ROOMS:
         for path in (ROOT / room).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("InferenceSession"):
                     sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert len(sites) == 1 and sites[0].startswith("gpu_actor/device.py:"), sites
+    assert len(sites) == 1 and sites[0].startswith("gpu_actor/onnx_sessions.py:"), sites
 
 
 def test_the_edge_forwarder_stands_on_no_inference_worker():

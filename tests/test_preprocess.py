@@ -92,6 +92,7 @@ def test_a_model_that_cannot_convert_comes_back_unchanged_with_a_warning():
 
 
 def test_the_cpu_provider_runs_fp32_only_the_gpu_path_fp16_too():
-    from gpu_actor.device import CudaDevice, StandInDevice
+    from gpu_actor.cuda import CudaDevice
+    from gpu_actor.device import StandInDevice
     assert CpuDevice.precisions == ("fp32",)
     assert StandInDevice.precisions == CudaDevice.precisions == ("fp32", "fp16")

@@ -257,7 +257,8 @@ def test_every_device_has_all_the_runners_and_the_registry_ask_of_one():
     order; each attribute is set on the class or by its constructor."""
     import inspect
 
-    from gpu_actor.device import CpuDevice, CudaDevice, Device
+    from gpu_actor.cuda import CudaDevice
+    from gpu_actor.device import CpuDevice, Device
     methods = {name: inspect.signature(getattr(Device, name)) for name in dir(Device)
                if not name.startswith("_") and callable(getattr(Device, name))}
     attributes = list(Device.__annotations__)
