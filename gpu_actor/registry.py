@@ -26,7 +26,7 @@ import numpy as np
 from config.assets import AssetError
 from config.schema import InferenceConfig
 from gpu_actor.onnx_sessions import out_of_memory
-from gpu_actor.runner import ModelRunner
+from gpu_actor.runner import ModelRunner, Runner
 from gpu_actor.shared import Architectures
 from shm.child import release_freed_memory
 
@@ -57,7 +57,7 @@ class ModelStats:
 
 @dataclass
 class Loaded:
-    runner: ModelRunner
+    runner: Runner
     nbytes: int
     last_used: float             # monotonic
 
@@ -65,7 +65,7 @@ class Loaded:
 @dataclass
 class LoadResult:
     model: str
-    runner: Optional[ModelRunner]
+    runner: Optional[Runner]
     nbytes: int
     load_ms: float
     error: Optional[str]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
 import numpy as np
 
@@ -53,10 +53,31 @@ def own_session(path: Path, device, threads: int, spin: bool = False) -> ort.Inf
         raise AssetError(f"{path}: onnxruntime cannot load it: {short(err)}") from None
 
 
+class Runner(Protocol):
+    """What the registry and the worker ask of a loaded model, whichever the device: `ModelRunner` here (a
+    session of its own, the CPU provider) or gpu_actor/shared.SharedRunner (its weights bound into its
+    architecture's prepared sessions, a GPU or the stand-in)."""
+
+    io: ModelIO
+    nbytes: int              # what it holds on the device (0: measured by its load instead, on the CPU)
+    frames_per_s: float      # the most frames a second it runs, measured (0: not measured)
+
+    def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
+            out: np.ndarray) -> None: ...
+
+
+def check_audio(path: Path, io: ModelIO, audio: np.ndarray, batch: int) -> None:
+    """A runner's audio must be [batch, *the model's audio shape]; AssetError says which."""
+    if audio.shape != (batch, *io.audio_shape):
+        raise AssetError(f"{path}: audio must be [{batch}, {', '.join(map(str, io.audio_shape))}], "
+                         f"got {list(audio.shape)}")
+
+
 class ModelRunner:
     """A model in a session of its own on the CPU provider (module docstring)."""
 
     frames_per_s = 0.0   # not measured: on the CPU, admission counts inference in the host's CPU (frontend/live)
+    nbytes = 0           # the registry measures what its load cost (resident memory)
 
     def __init__(self, path: Path, device=None, threads: int = 0, spin: bool = False):
         device = device or CpuDevice()
@@ -77,9 +98,7 @@ class ModelRunner:
         """visual [B,6,320,320] (or a function giving frames [start, end) of it, called just before the
         call that needs them), audio [B,*A], out [B,3,320,320]: float32, C-contiguous."""
         batch = len(out)
-        if audio.shape != (batch, *self.io.audio_shape):
-            raise AssetError(f"{self.path}: audio must be [{batch}, {', '.join(map(str, self.io.audio_shape))}], "
-                             f"got {list(audio.shape)}")
+        check_audio(self.path, self.io, audio, batch)
         frames = visual if callable(visual) else lambda start, end: visual[start:end]
         for step in self.shapes.plan(batch):
             rows = step.end - step.start

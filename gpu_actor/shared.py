@@ -30,7 +30,7 @@ from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
 from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
-from gpu_actor.runner import dims
+from gpu_actor.runner import check_audio, dims
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
 from gpu_actor.weights import Weights
@@ -208,7 +208,7 @@ class Prepared:
 
 
 class SharedRunner:
-    """A model on a prepared architecture: `run` as gpu_actor/runner.ModelRunner's."""
+    """A model on a prepared architecture (gpu_actor/runner.Runner)."""
 
     def __init__(self, prepared: Prepared, weights: Weights, path: Path):
         self.prepared, self.weights, self.path = prepared, weights, path
@@ -237,9 +237,7 @@ class SharedRunner:
         """visual [B,6,320,320] (or a function giving frames [start, end) of it), audio [B,*A],
         out [B,3,320,320]: float32, C-contiguous; run as calls at prepared sizes."""
         batch = len(out)
-        if audio.shape != (batch, *self.io.audio_shape):
-            raise AssetError(f"{self.path}: audio must be [{batch}, {', '.join(map(str, self.io.audio_shape))}], "
-                             f"got {list(audio.shape)}")
+        check_audio(self.path, self.io, audio, batch)
         crops = visual.crops if isinstance(visual, VisualFrames) else None
         frames = visual if callable(visual) else lambda start, end: visual[start:end]
         p, device = self.prepared, self.prepared.device

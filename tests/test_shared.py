@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from config.assets import AssetError
 from config.schema import InferenceConfig
 from gpu_actor.device import StandInDevice
 from gpu_actor.graphs import split_model
@@ -273,3 +274,20 @@ def test_every_device_has_all_the_runners_and_the_registry_ask_of_one():
         for name in attributes:
             assert any(name in vars(c) for c in cls.__mro__) or f"self.{name} =" in constructors or \
                 f"self.{name}," in constructors, f"{cls.__name__} has no {name}"
+
+
+def test_both_runners_honour_the_runner_contract(tmp_path):
+    """The registry and the worker hold either runner as a gpu_actor/runner.Runner: its attributes with
+    their types, `run` with the protocol's parameters, and the same refusal of audio of another shape."""
+    import inspect
+
+    from gpu_actor.runner import Runner
+    path = write_model(tmp_path / "m.onnx", kind="tiny")
+    runners = (ModelRunner(path), Architectures(StandInDevice(0.0), 2, 0, False).load(path))
+    want = list(inspect.signature(Runner.run).parameters)
+    for runner in runners:
+        assert isinstance(runner.nbytes, int) and isinstance(runner.frames_per_s, float), type(runner)
+        assert runner.io.audio_shape == (32, 16, 16)
+        assert list(inspect.signature(type(runner).run).parameters) == want, type(runner)
+        with pytest.raises(AssetError, match=r"audio must be \[2, 32, 16, 16\], got \[2, 32, 16\]"):
+            runner.run(*_inputs(2)[:1], np.zeros((2, 32, 16), np.float32), np.empty((2, 3, 320, 320), np.float32))
