@@ -38,8 +38,7 @@ class Encoder:
 
     def __init__(self, path: Path, device, max_batch: int, threads: int, spin: bool):
         self.path, self.device = path, device
-        with device.lock:
-            first = device.session(str(path), session_options(threads, spin))
+        first = self._session(threads, spin)
         inputs = first.get_inputs()
         if len(inputs) != 1:
             raise AssetError(f"{path}: an audio encoder takes one input (mel windows "

@@ -1,15 +1,28 @@
-"""How an inference worker, local or a GPU host's forwarder (gpu_actor/worker.py, gpu_actor/remote.py),
-hands a finished batch on: an output slot for its mouths, then each chunk to the compositing process the
-frontend planned for it."""
+"""What an inference worker, local or a GPU host's forwarder (gpu_actor/worker.py, gpu_actor/remote.py),
+does alike: route each message from the frontend to its handler by type, and hand a finished batch on (an
+output slot for its mouths, then each chunk to the compositing process the frontend planned for it)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import zmq
 
 from shm.messages import CompositeTask, InferTask, pack, unpack
 from shm.ring import SlotRing, TensorRef
+
+log = logging.getLogger(__name__)
+
+
+def route(handlers: dict[type, Callable[[object], None]], msg: object, who: str) -> None:
+    """Handle `msg` with its type's handler; a type with none (a message of another role's: a bug in the
+    sender, never this process's end) is logged and dropped."""
+    handler = handlers.get(type(msg))
+    if handler is None:
+        log.warning("%s: no handler for %s", who, type(msg).__name__)
+        return
+    handler(msg)
 
 
 def acquire_slot(outputs: SlotRing, req: int, timeout_s: float, tasks: zmq.Socket, handle: Callable[[object], None]) -> int:

@@ -27,7 +27,7 @@ from config import Config
 from config.geometry import MOUTH_SHAPE, mouths_from_uint8, valid_model_id
 from config.keys import make_client
 from gpu_actor.discovery import SlotWatcher, parse_dns_device
-from gpu_actor.handoff import acquire_slot, hand_off
+from gpu_actor.handoff import acquire_slot, hand_off, route
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket, network_socket
@@ -202,11 +202,7 @@ class RemoteWorker:
                                                 device=device)))
 
     def _from_frontend(self, msg) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:   # (a message of another role's: a bug in the sender, never the forwarder's end)
-            log.warning("GPU host forwarder %d: no handler for %s", self.index, type(msg).__name__)
-            return
-        handler(msg)
+        route(self._handlers, msg, f"GPU host forwarder {self.index}")
 
     def _infer_task(self, msg: InferTask) -> None:
         if self._host_stopping:

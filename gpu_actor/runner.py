@@ -6,11 +6,12 @@ The inputs are bound straight from their shared-memory views and the output stra
 destination slot (IO binding), so a batch costs no copy besides the model's own work.
 A model with a fixed batch dimension is run in chunks of that size, the last one padded.
 
-On the CPU a batch runs one frame per call (gpu_actor/shapes.py plans the calls, as on the GPU path), its visual input built just before the call (`run` takes a
-function for it): a call over B frames takes each op over all B frames before the next op, and at
-320x320 a frame's input, output and intermediates (~5 MB) then fall out of the cache between ops. The
-bench's 1x1-conv model costs 0.79 ms a frame so, 1.79 ms in calls of 8 with the visual input built
-for all 8 first; unet_328, compute-bound, costs the same either way (82 ms). Batches are for the GPU.
+On the CPU a batch runs one frame per call (gpu_actor/shapes.py plans the calls, as on the GPU path),
+its visual input built just before the call (`run` takes a function for it): a call over B frames takes
+each op over all B frames before the next op, and at 320x320 a frame's input, output and intermediates
+(~5 MB) then fall out of the cache between ops. The bench's 1x1-conv model costs 0.79 ms a frame so,
+1.79 ms in calls of 8 with the visual input built for all 8 first; unet_328, compute-bound, costs the
+same either way (82 ms). Batches are for the GPU.
 One frame a call also bounds a request's memory whatever its batch: a frame's activations (~0.2 GB for
 a real-size unet_328), never a batch's.
 """

@@ -37,7 +37,8 @@ from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
-CAPTURE_RUNS = 3         # CUDA graphs: onnxruntime runs a session plainly twice, then captures on the third
+CAPTURE_RUNS = 3         # CUDA graphs: the main thread's calls per size held under the device's lock (onnxruntime
+                         # 1.31 captures inside a thread's first run: two plain runs, then the capture)
 
 
 class Prepared:
@@ -280,17 +281,16 @@ class Architectures:
         with self.device.lock:
             self.device.release()
         try:
-            runner = self._load(path, model, split)
+            return self._load(path, model, split)
         except BaseException as err:
             with self.device.lock:
                 # NOTE: what the failed load made (sessions, buffers) goes now, under the lock, not
                 # whenever the error's frames are dropped
                 traceback.clear_frames(err.__traceback__)
-                self.device.release()
             raise
-        with self.device.lock:
-            self.device.release()
-        return runner
+        finally:
+            with self.device.lock:
+                self.device.release()
 
     def _weights(self, architecture: Architecture, model: str, split: Split) -> Weights:
         arrays = architecture.weights_of(model, split)

@@ -24,7 +24,7 @@ from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
-from gpu_actor.handoff import acquire_slot, hand_off
+from gpu_actor.handoff import acquire_slot, hand_off, route
 from gpu_actor.registry import Registry
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
@@ -70,8 +70,7 @@ class InferenceWorker:
         self.queue: deque[InferTask] = deque()
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
-        self.encoders = AudioEncoders(self.registry.device, config.limits.max_batch, inf.intra_op_threads,
-                                      inf.spin_threads)
+        self.encoders = AudioEncoders(device, config.limits.max_batch, inf.intra_op_threads, inf.spin_threads)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
@@ -137,11 +136,7 @@ class InferenceWorker:
         return next((t for t in self.queue if t.model in self.registry.loaded), None)
 
     def _handle(self, msg) -> None:
-        handler = self._handlers.get(type(msg))
-        if handler is None:   # (a message of another role's: a bug in the sender, never the worker's end)
-            log.warning("inference worker %d: no handler for %s", self.index, type(msg).__name__)
-            return
-        handler(msg)
+        route(self._handlers, msg, f"inference worker {self.index}")
 
     def _infer_task(self, msg: InferTask) -> None:
         self.registry.queued(msg.model)
