@@ -174,7 +174,8 @@ class CudaDevice:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, "cuda", self.device_id, array.dtype, list(array.shape), array.data.ptr)
 
-    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True,
+            model: bool = True) -> None:
         # NOTE: the inputs (and a graph's weight slot) were copied on cupy's stream: done before
         # onnxruntime's stream reads them
         self.synchronize()

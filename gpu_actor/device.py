@@ -14,7 +14,10 @@ Three devices:
   the audio encoder at prepared sizes, sessions on the calling thread) and stops for `stall_s` on the
   first call of every session it made at each input shape, as cuDNN does while it builds its plans for a
   shape (1.4-5.7 s on an H100). The environment variable LIPSYNC_STAND_IN_STALL_S=<seconds> makes a
-  "cpu" worker one; it is not a setting a server needs.
+  "cpu" worker one; it is not a setting a server needs. LIPSYNC_STAND_IN_COST_MS=<fixed>,<per frame>
+  gives its model calls a card's cost curve: a call of N frames lasts at least fixed + N x per frame ms
+  (a real-size unet_328 on an H100: ~1.6 + 0.89), so a few sessions on a CPU host load it as a card's
+  many do, and how many frames a call holds matters in a test as it does on a card.
 
 Every onnxruntime session that runs on a device is made by its `session` and run by its `run` (IO
 binding) or `infer` (host arrays), so what differs between the three (providers, threads, the first-call
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STAND_IN_ENV = "LIPSYNC_STAND_IN_STALL_S"
+STAND_IN_COST_ENV = "LIPSYNC_STAND_IN_COST_MS"
 
 
 class Device(Protocol):
@@ -74,7 +78,8 @@ class Device(Protocol):
     def unpin_all(self) -> None: ...
     def download(self, src: Any, dst: np.ndarray) -> None: ...
     def bind(self, binding, name: str, array: Any, output: bool = False) -> None: ...
-    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True) -> None: ...
+    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True,
+            model: bool = True) -> None: ...
 
 
 class CpuDevice:
@@ -168,9 +173,11 @@ class CpuDevice:
         bind = binding.bind_output if output else binding.bind_input
         bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
-    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True,
+            model: bool = True) -> None:
         """Run a call bound at batch `size`; `graphs` False: a session made with CUDA graphs runs without
-        capturing or replaying one (the load thread's warm-up, a size whose capture failed)."""
+        capturing or replaying one (the load thread's warm-up, a size whose capture failed); `model` False:
+        a helper graph's call (the crops'), not the model's."""
         session.run_with_iobinding(binding)
 
 
@@ -181,9 +188,10 @@ class StandInDevice(CpuDevice):
     batched = True
     precisions = ("fp32", "fp16")   # (fp16 converted as on a card; the CPU provider computes it in float32)
 
-    def __init__(self, stall_s: float, memory_bytes: int = 0):
+    def __init__(self, stall_s: float, memory_bytes: int = 0, cost_s: tuple[float, float] = (0.0, 0.0)):
         super().__init__()
         self.stall_s = stall_s
+        self.cost_s = cost_s                # a model call's least seconds: fixed, per frame
         self.memory_bytes, self.weight_bytes = memory_bytes, 0   # a card's size for weights; 0: no limit
         self.stalls = 0                     # first calls that stalled: tests read it
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # session -> input shapes run
@@ -220,21 +228,32 @@ class StandInDevice(CpuDevice):
         self._stall(session, tuple((name, np.shape(value)) for name, value in sorted(feeds.items())))
         return session.run(None, feeds)
 
-    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session: ort.InferenceSession, binding, size: int, graphs: bool = True,
+            model: bool = True) -> None:
         self._stall(session, size)
+        t0 = time.perf_counter()
         session.run_with_iobinding(binding)
+        if model and any(self.cost_s):
+            fixed, per_frame = self.cost_s
+            time.sleep(max(fixed + per_frame * size - (time.perf_counter() - t0), 0.0))   # (the GIL is free)
 
 
 def make_device(device: str):
     """The device a worker's device string names; a "cpu" worker is a StandInDevice where the
     environment asks for one (tests and benches without a GPU)."""
     if device == "cpu":
-        stall = os.environ.get(STAND_IN_ENV)
-        if stall is None:
+        stall, cost = os.environ.get(STAND_IN_ENV), os.environ.get(STAND_IN_COST_ENV)
+        if stall is None and cost is None:
             return CpuDevice()
         try:
-            return StandInDevice(float(stall))
+            stall_s = float(stall or 0)
         except ValueError:
             raise DeviceError(f"{STAND_IN_ENV}={stall!r}: expected seconds, e.g. 1.0") from None
+        try:
+            fixed, per_frame = (float(x) / 1000 for x in (cost or "0,0").split(","))
+        except ValueError:
+            raise DeviceError(f"{STAND_IN_COST_ENV}={cost!r}: expected milliseconds <fixed>,<per frame>, "
+                              "e.g. 10,1") from None
+        return StandInDevice(stall_s, cost_s=(fixed, per_frame))
     from gpu_actor.cuda import CudaDevice   # NOTE: here: only a GPU worker loads it (and cupy)
     return CudaDevice(device)

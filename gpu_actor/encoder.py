@@ -131,20 +131,46 @@ class AudioEncoders:
         return A.frame_windows(self.of(model).run(inputs))
 
     def features(self, model: str, utterance: int, first: int, inputs: np.ndarray) -> np.ndarray:
-        """Encoder outputs of a live session's inputs number first, first + 1, ... Consecutive frames share
-        15 of their 16 window rows: each (utterance, input number) is encoded once here and kept (bounded,
-        least recently used out); utterance 0 is never cached."""
+        """Encoder outputs of a live session's inputs number first, first + 1, ... (`features_many` of one)."""
+        result = self.features_many([(model, utterance, first, inputs)])[0]
+        if isinstance(result, AssetError):
+            raise result
+        return result
+
+    def features_many(self, requests: list[tuple[str, object, int, np.ndarray]]) -> list:
+        """Each request's (model, utterance, first input's number, inputs) encoder outputs, or the AssetError
+        it fails with alone. Consecutive frames share 15 of their 16 window rows: each (utterance, input
+        number) is encoded once and kept (bounded, least recently used out; a falsy utterance is never
+        cached). The inputs missing from the cache run together, one batch per encoder whatever the
+        sessions or avatars they come from (a worker's step)."""
         cache = self._features
-        keys = [(utterance, first + j) for j in range(len(inputs))]
-        missing = [j for j, key in enumerate(keys) if key not in cache] if utterance else list(range(len(inputs)))
-        if missing:
-            computed = self.of(model).run(np.ascontiguousarray(inputs[missing]))
-            if not utterance:
-                return computed
-            for j, row in zip(missing, computed):
-                cache[keys[j]] = row
-            while len(cache) > FEATURES_CACHE:
-                cache.popitem(last=False)
-        for key in keys:
-            cache.move_to_end(key)
-        return np.stack([cache[key] for key in keys])
+        results: list = [None] * len(requests)
+        todo: dict[int, tuple[Encoder, dict]] = {}   # id(encoder) -> (encoder, key -> its input row)
+        wanted = []
+        for i, (model, utterance, first, inputs) in enumerate(requests):
+            try:
+                encoder = self.of(model)
+            except AssetError as err:
+                results[i] = err
+                continue
+            keys = [(utterance, first + j) if utterance else (id(requests[i]), j) for j in range(len(inputs))]
+            rows = todo.setdefault(id(encoder), (encoder, {}))[1]
+            for key, row in zip(keys, inputs):
+                if key not in cache:
+                    rows.setdefault(key, row)
+                else:
+                    cache.move_to_end(key)
+            wanted.append((i, keys))
+        for encoder, rows in todo.values():
+            if rows:
+                computed = encoder.run(np.ascontiguousarray(np.stack(list(rows.values())), np.float32))
+                cache.update(zip(rows, computed))
+        for i, keys in wanted:
+            results[i] = np.stack([cache[key] for key in keys])
+        for i, keys in wanted:   # NOTE: an uncached request's rows go as soon as it has them
+            if not requests[i][1]:
+                for key in keys:
+                    cache.pop(key, None)
+        while len(cache) > FEATURES_CACHE:
+            cache.popitem(last=False)
+        return results

@@ -19,6 +19,7 @@ a real-size unet_328), never a batch's.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
 
@@ -54,6 +55,17 @@ def own_session(path: Path, device, threads: int, spin: bool = False) -> ort.Inf
         raise AssetError(f"{path}: onnxruntime cannot load it: {short(err)}") from None
 
 
+@dataclass
+class Part:
+    """One request's rows in a runner's call: visual [n,6,320,320] float32 (or the avatar's crops,
+    gpu_actor/visual.VisualFrames, or a function giving rows [start, end) of it), audio [n,*A], and the
+    destination of its mouths, out [n,3,320,320]."""
+
+    visual: Union[np.ndarray, Callable[[int, int], np.ndarray]]
+    audio: np.ndarray
+    out: np.ndarray
+
+
 class Runner(Protocol):
     """What the registry and the worker ask of a loaded model, whichever the device: `ModelRunner` here (a
     session of its own, the CPU provider) or gpu_actor/shared.SharedRunner (its weights bound into its
@@ -62,9 +74,15 @@ class Runner(Protocol):
     io: ModelIO
     nbytes: int              # what it holds on the device (0: measured by its load instead, on the CPU)
     frames_per_s: float      # the most frames a second it runs, measured (0: not measured)
+    group: object            # runners whose rows may share a worker's step (one prepared architecture)
+    step_rows: int           # the most frames one call of it holds: a step's size
+
+    def record_step(self, kind: str) -> None: ...
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
             out: np.ndarray) -> None: ...
+
+    def run_parts(self, parts: list[Part]) -> None: ...
 
 
 def check_audio(path: Path, io: ModelIO, audio: np.ndarray, batch: int) -> None:
@@ -92,6 +110,7 @@ class ModelRunner:
             [(o.name, dims(o.shape)) for o in self.session.get_outputs()], str(path))
         # one frame a call (or the model's fixed batch), planned as the GPU path's calls are
         self.shapes = BatchShapes(device.sizes(1, self.io.batch))
+        self.group, self.step_rows = self, self.shapes.largest   # a step: this model's rows, one call's worth
         self._padded: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None   # a fixed batch's last call
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
@@ -116,6 +135,14 @@ class ModelRunner:
             pad_v[rows:], pad_a[rows:] = 0, 0
             self._run(pad_v, pad_a, pad_o)
             out[step.start:step.end] = pad_o[:rows]
+
+    def record_step(self, kind: str) -> None:
+        """(Steps are counted where calls hold many frames: gpu_actor/shared.py.)"""
+
+    def run_parts(self, parts: list[Part]) -> None:
+        """Several requests' rows: one frame a call whatever the step, so each part runs as its own batch."""
+        for part in parts:
+            self.run(part.visual, part.audio, part.out)
 
     def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray) -> None:
         binding = self.session.io_binding()

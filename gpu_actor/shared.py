@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -30,7 +31,7 @@ from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
 from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
-from gpu_actor.runner import check_audio, dims
+from gpu_actor.runner import Part, check_audio, dims
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
 from gpu_actor.weights import Weights
@@ -98,6 +99,9 @@ class Prepared:
         self.plain: set[int] = set()            # CUDA graphs: sizes whose capture failed, run without graphs
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
+        self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
+        self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
+        self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls per model
 
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
@@ -147,7 +151,7 @@ class Prepared:
         t0 = time.perf_counter()
         device.run(session, binding, size, graphs=False)
         self.call_s[size] = time.perf_counter() - t0
-        device.run(self.crop_session, self.crop_binding(size), size, graphs=False)
+        device.run(self.crop_session, self.crop_binding(size), size, graphs=False, model=False)
 
     def call(self, size: int, binding) -> None:
         """(The main thread) one call at `size`. With CUDA graphs its first calls capture, holding the
@@ -168,6 +172,22 @@ class Prepared:
                 self.plain.add(size)
                 device.run(session, binding, size, graphs=False)
         self.main_runs[size] += 1
+
+    def count(self, size: int, rows: int) -> None:
+        """(The main thread) a model call at `size` held `rows` frames."""
+        self.calls[size] += 1
+        self.call_rows[rows] += 1
+
+    def call_stats(self) -> dict:
+        """The main thread's model calls: how many each size had, how many held each count of frames (a
+        histogram), the mean frames a call held, the share of their rows that were padding; the steps by
+        kind."""
+        calls, slots = sum(self.calls.values()), sum(size * n for size, n in self.calls.items())
+        frames = sum(rows * n for rows, n in self.call_rows.items())
+        return {"calls_by_size": {str(size): n for size, n in sorted(self.calls.items())},
+                "frames_per_call_histogram": {str(rows): n for rows, n in sorted(self.call_rows.items())},
+                "frames_per_call": round(frames / calls, 2) if calls else 0.0,
+                "padded_share": round(1 - frames / slots, 3) if slots else 0.0, "steps": dict(self.steps)}
 
     def slot_binding(self, size: int):
         """(CUDA graphs) the one binding at `size`: the weight slot and the staging buffers, made once."""
@@ -222,6 +242,17 @@ class SharedRunner:
     def frames_per_s(self) -> float:
         return self.prepared.frames_per_s()
 
+    @property
+    def group(self) -> Prepared:
+        return self.prepared
+
+    @property
+    def step_rows(self) -> int:
+        return self.prepared.shapes.largest
+
+    def record_step(self, kind: str) -> None:
+        self.prepared.steps[kind] += 1
+
     def _binding(self, size: int):
         p = self.prepared
         if p.slot is not None:
@@ -235,31 +266,54 @@ class SharedRunner:
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
             out: np.ndarray) -> None:
-        """visual [B,6,320,320] (or a function giving frames [start, end) of it), audio [B,*A],
-        out [B,3,320,320]: float32, C-contiguous; run as calls at prepared sizes."""
-        batch = len(out)
-        check_audio(self.path, self.io, audio, batch)
-        crops = visual.crops if isinstance(visual, VisualFrames) else None
-        frames = visual if callable(visual) else lambda start, end: visual[start:end]
+        """visual [B,6,320,320] (or the avatar's crops, `VisualFrames`), audio [B,*A], out [B,3,320,320]:
+        float32, C-contiguous; run as calls at prepared sizes."""
+        self.run_parts([Part(visual, audio, out)])
+
+    def run_parts(self, parts: list[Part]) -> None:
+        """Several requests' rows as one batch (a worker's step): their rows fill calls at prepared sizes
+        together, each part's mouths land in its own `out`."""
+        for part in parts:
+            check_audio(self.path, self.io, part.audio, len(part.out))
         p, device = self.prepared, self.prepared.device
-        for step in p.shapes.plan(batch):
+        for step in p.shapes.plan(sum(len(part.out) for part in parts)):
+            pieces = list(_pieces(parts, step.start, step.end))
             rows = step.end - step.start
-            if crops is not None:
-                # NOTE: zero crops make a zero visual input: padded rows stay harmless zeros
+            if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
+                # NOTE: zero crops make a zero visual input: padded rows (and rows sent as floats, written
+                # over below) stay harmless zeros
                 host = p.crops_host[:step.size]
-                np.stack(crops[step.start:step.end], out=host[:rows])
-                host[rows:] = 0
+                host[:] = 0
+                for part, a, b, at in pieces:
+                    if isinstance(part.visual, VisualFrames):
+                        np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
                 device.upload(p.crops[:step.size], host)
-                device.run(p.crop_session, p.crop_binding(step.size), step.size, graphs=False)   # (made without)
-            else:
-                device.upload(p.visual[:rows], frames(step.start, step.end))
-                if step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
-                    device.zero(p.visual[rows:step.size])
-            device.upload(p.audio[:rows], audio[step.start:step.end])
+                device.run(p.crop_session, p.crop_binding(step.size), step.size, graphs=False, model=False)
+            elif step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
+                device.zero(p.visual[rows:step.size])
+            for part, a, b, at in pieces:
+                if not isinstance(part.visual, VisualFrames):
+                    frames = part.visual(a, b) if callable(part.visual) else part.visual[a:b]
+                    device.upload(p.visual[at:at + b - a], frames)
+                device.upload(p.audio[at:at + b - a], part.audio[a:b])
             if step.padding:
                 device.zero(p.audio[rows:step.size])
             p.call(step.size, self._binding(step.size))
-            device.download(p.out[:rows], out[step.start:step.end])
+            p.count(step.size, rows)
+            for part, a, b, at in pieces:
+                device.download(p.out[at:at + b - a], part.out[a:b])
+
+
+def _pieces(parts: list[Part], start: int, end: int):
+    """The parts' rows [start, end) of their concatenation: (part, its first row, its end, the row in the
+    call)."""
+    offset = 0
+    for part in parts:
+        n = len(part.out)
+        a, b = max(start - offset, 0), min(end - offset, n)
+        if a < b:
+            yield part, a, b, offset + a - start
+        offset += n
 
 
 class Architectures:
@@ -328,5 +382,5 @@ class Architectures:
         """Each prepared architecture: its sizes, its measured frames/s, the models loaded on it (stats)."""
         with self._lock:
             return {key: {"sizes": list(p.shapes.sizes), "frames_per_s": round(p.frames_per_s(), 1),
-                          "models": len(p.users), "cuda_graphs": p.slot is not None}
+                          "models": len(p.users), "cuda_graphs": p.slot is not None, **p.call_stats()}
                     for key, p in self.prepared.items()}

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -26,6 +27,7 @@ from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, route
 from gpu_actor.registry import Registry
+from gpu_actor.runner import Part
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -74,6 +76,7 @@ class InferenceWorker:
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
+        self._slot_busy = False   # the last `_begin` found no output slot free
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
                           ResetRequests: lambda m: self.outputs.become_writer()}
@@ -114,10 +117,9 @@ class InferenceWorker:
         while not self._stopping:
             timeout = 0 if self._runnable() is not None else IDLE_TICK_MS
             self._drain(self.poller.poll(timeout))
-            task = self._runnable()
-            if task is not None:
-                self.queue.remove(task)
-                self._execute(task)
+            tasks = self._step_tasks()
+            if tasks:
+                self._step(tasks)
             if time.monotonic() >= next_tick:
                 self.registry.unload_idle(time.monotonic())
                 self._expire_waiting()
@@ -204,65 +206,146 @@ class InferenceWorker:
         self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
                                              message=message, **fields)))
 
-    # -- one batch ---------------------------------------------------------------------------------
+    # -- one step ------------------------------------------------------------------------------------
 
-    def _execute(self, task: InferTask) -> None:
+    def _step_tasks(self) -> list[InferTask]:
+        """The next step's tasks, out of the queue: the most urgent runnable task, then the other runnable
+        tasks of its architecture, most urgent first, while their frames fit the largest call the device
+        runs (one task at least: a larger one runs as several calls)."""
+        runnable = sorted((t for t in self.queue if t.model in self.registry.loaded), key=_urgency)
+        if not runnable:
+            return []
+        first = self.registry.loaded[runnable[0].model].runner
+        chosen, rows = [runnable[0]], runnable[0].batch
+        for task in runnable[1:]:
+            runner = self.registry.loaded[task.model].runner
+            if runner.group is first.group and rows + task.batch <= first.step_rows:
+                chosen.append(task)
+                rows += task.batch
+        for task in chosen:
+            self.queue.remove(task)
+        return chosen
+
+    def _step(self, tasks: list[InferTask]) -> None:
+        """Run `tasks` together: each its output slot and inputs, then one runner call per model for all
+        of that model's rows (gpu_actor/runner.Runner.run_parts), each task answered and handed on as soon
+        as its model's call is done. A task whose slot, inputs or run fails fails alone."""
+        jobs: list[_Job] = []
+        for i, task in enumerate(tasks):
+            job = self._begin(task, wait=not jobs)
+            if job is not None:
+                jobs.append(job)
+            elif self._slot_busy:   # no output slot free now: this task and the rest wait for the next step
+                self.queue.extendleft(reversed(tasks[i:]))
+                break
+        jobs = self._audio_inputs(jobs)
+        by_model: dict[str, list[_Job]] = {}
+        for job in jobs:
+            by_model.setdefault(job.task.model, []).append(job)
+        if by_model:
+            runner = self.registry.loaded[jobs[0].task.model].runner
+            runner.record_step("one_model" if len(by_model) == 1 else "sub_calls")
+        for model, group in by_model.items():
+            self._run_model(model, group)
+
+    def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
+        """A task's output slot (waited for when `wait`, else only if one is free) and visual input; None
+        when the task is answered already (its deadline passed, its inputs are bad) or no slot is free
+        (`_slot_busy`: the caller puts it back in the queue)."""
+        self._slot_busy = False
         started = time.monotonic()
         queue_ms = (started - task.enqueued) * 1000 if task.enqueued else 0.0
         if task.deadline and started > task.deadline:
             self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
-            return
-        try:
-            slot = acquire_slot(self.outputs, task.req, max(task.deadline - started, 0.001) if task.deadline else 30,
-                                self.tasks, self._handle)
-        except RingError as err:
-            self._done(task, "timeout", str(err))
-            return
+            return None
+        if wait:
+            try:
+                slot = acquire_slot(self.outputs, task.req,
+                                    max(task.deadline - started, 0.001) if task.deadline else 30, self.tasks, self._handle)
+            except RingError as err:
+                self._done(task, "timeout", str(err))
+                return None
+        else:
+            slot = self.outputs.try_acquire(task.req)
+            if slot is None:
+                self._slot_busy = True
+                return None
+        t0 = time.perf_counter()
         try:
             out = self.outputs.writable(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
-            t_input = time.perf_counter()
             visual = self._visual_input(task)
-            t_audio = time.perf_counter()
-            audio = self._audio_input(task)
-            t0 = time.perf_counter()
-            self.registry.loaded[task.model].runner.run(visual, audio, out)
-            # input_ms: building what the client did not send (visual input from the avatar, windows from PCM)
-            derived = task.audio.dtype == "int16" or task.rows is not None   # windows built from PCM here
-            per_call = visual.spent_s if isinstance(visual, VisualFrames) else 0.0   # built between the calls
-            built = (t_audio - t_input + per_call if task.visual is None else 0.0) + (t0 - t_audio if derived else 0.0)
-            inference_ms = (time.perf_counter() - t0 - per_call) * 1000
-            for ref in (task.audio, task.visual):
-                if ref is not None:
-                    self.inputs.verify(ref)   # the frontend freed it mid-run: the result is not ours
-        except StaleHandle as err:
-            self.outputs.release(slot)
-            self._done(task, "timeout", f"request was cancelled while running ({err})")
-            return
         except (AssetError, StoreError) as err:
             self.outputs.release(slot)
             self._done(task, "bad_request", str(err))
-            return
-        except Exception as err:  # onnxruntime's own errors, or a bug: this request fails, not the worker
-            log.exception("running model %s failed", task.model)
-            self.outputs.release(slot)
-            self._done(task, "internal", f"model {task.model} failed to run: {type(err).__name__}: "
-                       f"{str(err).splitlines()[0][:300] if str(err) else ''}")
-            return
-        self.registry.touch(task.model, task.batch)
-        self.registry.stat(task.model).infer_ms.append(inference_ms)
-        ref = self.outputs.ref(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
-        self._done(task, output=ref if not task.plan else None, queue_ms=queue_ms, inference_ms=inference_ms,
-                   input_ms=built * 1000)
-        hand_off(self.to_cpu, task, self.index, ref)
+            return None
+        built = time.perf_counter() - t0 if task.visual is None else 0.0
+        return _Job(task, slot, out, visual, None, queue_ms, built)
 
-    def _audio_input(self, task: InferTask) -> np.ndarray:
-        """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows)."""
+    def _audio_inputs(self, jobs: list[_Job]) -> list[_Job]:
+        """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
+        every job's together, one encoder call per encoder). The jobs whose audio is fine."""
+        live = [job for job in jobs if job.task.rows is not None]
+        t0 = time.perf_counter()
+        features = self.encoders.features_many(
+            [(j.task.model, j.task.utterance, j.task.first_input, self.inputs.read(j.task.audio)) for j in live])
+        encode_s = time.perf_counter() - t0
+        computed = dict(zip(map(id, live), features))
+        ok = []
+        for job in jobs:
+            t1 = time.perf_counter()
+            try:
+                job.audio = self._audio_input(job.task, computed.get(id(job)))
+            except AssetError as err:
+                self.outputs.release(job.slot)
+                self._done(job.task, "bad_request", str(err))
+                continue
+            if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
+                job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
+            ok.append(job)
+        return ok
+
+    def _run_model(self, model: str, jobs: list[_Job]) -> None:
+        """One model's jobs of a step in one runner call; each answered and handed on."""
+        t0 = time.perf_counter()
+        try:
+            self.registry.loaded[model].runner.run_parts([Part(j.visual, j.audio, j.out) for j in jobs])
+        except Exception as err:  # onnxruntime's own errors, or a bug: these requests fail, not the worker
+            log.exception("running model %s failed", model)
+            for job in jobs:
+                self.outputs.release(job.slot)
+                self._done(job.task, "internal", f"model {model} failed to run: {type(err).__name__}: "
+                           f"{str(err).splitlines()[0][:300] if str(err) else ''}")
+            return
+        per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
+        inference_ms = (time.perf_counter() - t0 - per_call) * 1000
+        for job in jobs:
+            task = job.task
+            try:
+                for ref in (task.audio, task.visual):
+                    if ref is not None:
+                        self.inputs.verify(ref)   # the frontend freed it mid-run: the result is not ours
+            except StaleHandle as err:
+                self.outputs.release(job.slot)
+                self._done(task, "timeout", f"request was cancelled while running ({err})")
+                continue
+            built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
+            self.registry.touch(model, task.batch)
+            self.registry.stat(model).infer_ms.append(inference_ms)
+            ref = self.outputs.ref(job.slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
+            self._done(task, output=ref if not task.plan else None, queue_ms=job.queue_ms,
+                       inference_ms=inference_ms, input_ms=built * 1000)
+            hand_off(self.to_cpu, task, self.index, ref)
+
+    def _audio_input(self, task: InferTask, features: Union[None, np.ndarray, AssetError]) -> np.ndarray:
+        """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows);
+        `features`: a live session's encoder outputs (`_audio_inputs`)."""
         audio = self.inputs.read(task.audio)
         if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
             rows = np.asarray(task.rows, np.int64)
             if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
                 raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
-            features = self.encoders.features(task.model, task.utterance, task.first_input, audio)
+            if isinstance(features, AssetError):
+                raise features
             return A.windows_from_rows(features, rows)
         if audio.dtype != np.int16:
             return audio
@@ -289,6 +372,25 @@ class InferenceWorker:
             crops.append(crop)
         return VisualFrames(crops, self._visual)
 
+
+
+@dataclass
+class _Job:
+    """A task of a step: its output slot (`out`: the slot's rows), inputs, and the time it waited and spent
+    building inputs."""
+
+    task: InferTask
+    slot: int
+    out: np.ndarray
+    visual: Union[np.ndarray, VisualFrames]
+    audio: Optional[np.ndarray]
+    queue_ms: float
+    built_s: float
+
+
+def _urgency(task: InferTask) -> float:
+    """When a task's first frame is needed: a live session's due time, else its deadline (none: last)."""
+    return task.due or task.deadline or float("inf")
 
 
 def run_gpu_process(config: Config, run: RunSpec, index: int) -> None:

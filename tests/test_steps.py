@@ -1,0 +1,52 @@
+"""Device steps (gpu_actor/worker.py): the requests queued at a GPU worker share its device calls, each
+request's mouths its own. Run through the stand-in device with a card's cost curve (a call lasts a fixed
+part plus a part per frame, gpu_actor/device.py), so requests arriving while a call runs queue up as they
+do on a busy card."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from gpu_actor.device import STAND_IN_COST_ENV
+from gpu_actor.runner import ModelRunner
+from lipsync_client import AsyncClient
+from tests.helpers import base_config, make_avatar, run_server
+
+CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
+REQUESTS = 8    # 1 frame each, on two avatars of one architecture
+
+
+def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouths(tmp_path):
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b")):
+        make_avatar(root, model, kind="tiny", seed=seed)
+    cfg = base_config(root, **{"limits.max_batch": 8, "limits.queue_depth": 16, "shm.slots": REQUESTS})
+    rng = np.random.default_rng(7)
+    work = [("ab"[k % 3 == 2], rng.random((1, 6, 320, 320), np.float32),
+             rng.standard_normal((1, 32, 16, 16)).astype(np.float32)) for k in range(REQUESTS)]
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},1"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for model in ("a", "b"):
+                c.load(model)
+
+        async def burst() -> list:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                return await asyncio.gather(*(client.infer(model, visual, audio) for model, visual, audio in work))
+
+        answers = asyncio.run(burst())
+        with srv.client() as c:
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    # each request's mouths are its own model's on its own frame (the CPU provider, the model alone)
+    runners = {m: ModelRunner(root / m / "model.onnx") for m in ("a", "b")}
+    for (model, visual, audio), (_, frames) in zip(work, answers):
+        mouths = np.frombuffer(frames[0], "<f4").reshape(1, 3, 320, 320)
+        expected = np.empty((1, 3, 320, 320), np.float32)
+        runners[model].run(visual, audio, expected)
+        assert np.abs(mouths - expected).max() <= 1e-5, model
+    # ... and they shared calls: all but the first request queued behind its call
+    histogram = {int(rows): n for rows, n in architecture["frames_per_call_histogram"].items()}
+    assert sum(rows * n for rows, n in histogram.items()) == REQUESTS, histogram
+    assert max(histogram) >= 3 and architecture["frames_per_call"] > 1.5, architecture
+    assert architecture["steps"].get("sub_calls", 0) >= 1, architecture   # two avatars in one step
