@@ -8,6 +8,7 @@ import asyncio
 import statistics
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -201,8 +202,12 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
         c.load("avatar")
     out = []
     for n in levels:
+        before = _calls(srv)
         r = _run_level(srv, n, seconds, 0.27, pcm, fmt="jpeg", metrics_port=metrics_port)
         _print(r)
+        r["device_calls"] = calls = _calls_between(before, _calls(srv))
+        print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call, "
+              f"{calls['padded_share']:.0%} of their rows padding; steps {calls['steps']}", flush=True)
         inferred = r["speech"] / seconds
         gpu = r["processes"].get("gpu0", {}).get("cpu", 0.0)
         r["worker_cpu_per_1000_fps"] = gpu / inferred * 1000 if inferred else None
@@ -210,6 +215,27 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
               + (f" = {r['worker_cpu_per_1000_fps']:.0f}% per 1,000 frames/s" if inferred else ""), flush=True)
         out.append(r)
     return out
+
+
+def _calls(srv) -> dict:
+    """The worker's model calls so far, summed over its architectures (stats: frames per call)."""
+    calls: Counter = Counter()
+    rows: Counter = Counter()
+    steps: Counter = Counter()
+    for worker in _model_stats(srv).get("workers", []):
+        for arch in (worker.get("architectures") or {}).values():
+            calls.update({int(k): v for k, v in arch.get("calls_by_size", {}).items()})
+            rows.update({int(k): v for k, v in arch.get("frames_per_call_histogram", {}).items()})
+            steps.update(arch.get("steps", {}))
+    return {"sizes": calls, "rows": rows, "steps": steps}
+
+
+def _calls_between(before: dict, after: dict) -> dict:
+    """The calls a level made: their count, mean frames, padded share of their rows, steps by kind."""
+    sizes, rows, steps = (after[k] - before[k] for k in ("sizes", "rows", "steps"))
+    n, slots, frames = sum(sizes.values()), sum(k * v for k, v in sizes.items()), sum(k * v for k, v in rows.items())
+    return {"calls": n, "frames_per_call": frames / n if n else 0.0, "padded_share": 1 - frames / slots if slots else 0.0,
+            "histogram": {str(k): v for k, v in sorted(rows.items())}, "steps": dict(steps)}
 
 
 def _model_stats(srv, model: Optional[str] = None) -> dict:

@@ -109,9 +109,6 @@ class CudaDevice:
         free, total = self._cp.cuda.runtime.memGetInfo()
         return int(total - free)
 
-    def memory_free(self) -> int:
-        return int(self._cp.cuda.runtime.memGetInfo()[0])
-
     def bind_thread(self) -> None:
         """Make the calling thread's current device this one (a new thread starts on device 0)."""
         self._cp.cuda.runtime.setDevice(self.device_id)

@@ -278,42 +278,59 @@ class InferenceWorker:
             self.outputs.release(slot)
             self._done(task, "bad_request", str(err))
             return None
+        except StaleHandle as err:
+            self.outputs.release(slot)
+            self._done(task, "timeout", f"request was cancelled while queued ({err})")
+            return None
         built = time.perf_counter() - t0 if task.visual is None else 0.0
         return _Job(task, slot, out, visual, None, queue_ms, built)
 
     def _audio_inputs(self, jobs: list[_Job]) -> list[_Job]:
         """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
-        every job's together, one encoder call per encoder). The jobs whose audio is fine."""
-        live = [job for job in jobs if job.task.rows is not None]
+        every job's together, one encoder call per encoder). The jobs whose audio is fine; the others are
+        answered."""
+        sent: dict[int, np.ndarray] = {}
+        for job in jobs:
+            try:
+                sent[id(job)] = self.inputs.read(job.task.audio)
+            except StaleHandle as err:
+                self._fail(job, "timeout", f"request was cancelled while queued ({err})")
+        live = [job for job in jobs if id(job) in sent and job.task.rows is not None]
         t0 = time.perf_counter()
         features = self.encoders.features_many(
-            [(j.task.model, j.task.utterance, j.task.first_input, self.inputs.read(j.task.audio)) for j in live])
+            [(j.task.model, j.task.utterance, j.task.first_input, sent[id(j)]) for j in live])
         encode_s = time.perf_counter() - t0
         computed = dict(zip(map(id, live), features))
         ok = []
-        for job in jobs:
+        for job in (j for j in jobs if id(j) in sent):
             t1 = time.perf_counter()
             try:
-                job.audio = self._audio_input(job.task, computed.get(id(job)))
+                job.audio = self._audio_input(job.task, sent[id(job)], computed.get(id(job)))
             except AssetError as err:
-                self.outputs.release(job.slot)
-                self._done(job.task, "bad_request", str(err))
+                self._fail(job, "bad_request", str(err))
                 continue
             if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
                 job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
             ok.append(job)
         return ok
 
+    def _fail(self, job: _Job, code: str, message: str) -> None:
+        self.outputs.release(job.slot)
+        self._done(job.task, code, message)
+
     def _run_model(self, model: str, jobs: list[_Job]) -> None:
         """One model's jobs of a step in one runner call; each answered and handed on."""
         t0 = time.perf_counter()
         try:
             self.registry.loaded[model].runner.run_parts([Part(j.visual, j.audio, j.out) for j in jobs])
+        except StaleHandle as err:   # a client's visual input freed mid-run: the step's results are not theirs
+            for job in jobs:
+                self._fail(job, "timeout", f"request was cancelled while running ({err})")
+            return
         except Exception as err:  # onnxruntime's own errors, or a bug: these requests fail, not the worker
             log.exception("running model %s failed", model)
             for job in jobs:
-                self.outputs.release(job.slot)
-                self._done(job.task, "internal", f"model {model} failed to run: {type(err).__name__}: "
+                self._fail(job, "internal", f"model {model} failed to run: {type(err).__name__}: "
                            f"{str(err).splitlines()[0][:300] if str(err) else ''}")
             return
         per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
@@ -325,8 +342,7 @@ class InferenceWorker:
                     if ref is not None:
                         self.inputs.verify(ref)   # the frontend freed it mid-run: the result is not ours
             except StaleHandle as err:
-                self.outputs.release(job.slot)
-                self._done(task, "timeout", f"request was cancelled while running ({err})")
+                self._fail(job, "timeout", f"request was cancelled while running ({err})")
                 continue
             built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
             self.registry.touch(model, task.batch)
@@ -336,10 +352,9 @@ class InferenceWorker:
                        inference_ms=inference_ms, input_ms=built * 1000)
             hand_off(self.to_cpu, task, self.index, ref)
 
-    def _audio_input(self, task: InferTask, features: Union[None, np.ndarray, AssetError]) -> np.ndarray:
-        """The model's audio windows: as sent, or derived from 16 kHz PCM (mel -> encoder -> windows);
-        `features`: a live session's encoder outputs (`_audio_inputs`)."""
-        audio = self.inputs.read(task.audio)
+    def _audio_input(self, task: InferTask, audio: np.ndarray, features: Union[None, np.ndarray, AssetError]) -> np.ndarray:
+        """The model's audio windows: `audio` as sent, or derived from 16 kHz PCM (mel -> encoder ->
+        windows); `features`: a live session's encoder outputs (`_audio_inputs`)."""
         if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
             rows = np.asarray(task.rows, np.int64)
             if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:

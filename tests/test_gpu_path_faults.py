@@ -45,11 +45,11 @@ class CaptureFails(StandInDevice):
         super().__init__(0.0)
         self.size, self.plain_runs = size, 0
 
-    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session, binding, size: int, graphs: bool = True, model: bool = True) -> None:
         if graphs and size == self.size:
             raise RuntimeError("CUDA failure 900: operation not permitted when stream is capturing")
         self.plain_runs += not graphs
-        super().run(session, binding, size, graphs)
+        super().run(session, binding, size, graphs, model)
 
 
 def test_a_size_whose_cuda_graph_capture_fails_runs_plainly_and_the_model_serves(tmp_path):
@@ -73,9 +73,9 @@ def test_the_load_thread_never_captures_and_the_main_thread_captures_under_the_d
     calls: list[tuple[object, int, bool, bool]] = []
 
     class Recording(StandInDevice):
-        def run(self, session, binding, size: int, graphs: bool = True) -> None:
+        def run(self, session, binding, size: int, graphs: bool = True, model: bool = True) -> None:
             calls.append((session, size, graphs, self.lock.locked()))
-            super().run(session, binding, size, graphs)
+            super().run(session, binding, size, graphs, model)
 
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
     runner = Architectures(Recording(0.0), MAX_BATCH, 0, False, graphs=True).load(path)
@@ -108,11 +108,11 @@ class NoMemoryOnce(StandInDevice):
         super().__init__(0.0)
         self.full = False
 
-    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session, binding, size: int, graphs: bool = True, model: bool = True) -> None:
         if self.full and size == 1:
             self.full = False
             raise RuntimeError("CUDNN_STATUS_ALLOC_FAILED: cudnnConvolutionForward failed")
-        super().run(session, binding, size, graphs)
+        super().run(session, binding, size, graphs, model)
 
 
 def test_out_of_memory_at_a_new_architectures_first_call_evicts_an_idle_model_and_loads_again(tmp_path):
@@ -152,10 +152,10 @@ class NoMemoryAbove(StandInDevice):
         super().__init__(0.0)
         self.limit = limit
 
-    def run(self, session, binding, size: int, graphs: bool = True) -> None:
+    def run(self, session, binding, size: int, graphs: bool = True, model: bool = True) -> None:
         if size > self.limit:
             raise RuntimeError(f"Failed to allocate memory for requested buffer of size {size << 30}")
-        super().run(session, binding, size, graphs)
+        super().run(session, binding, size, graphs, model)
 
 
 def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_smaller(tmp_path):
