@@ -96,6 +96,9 @@ def main() -> int:
                           "comma list of fp32, fp16, fp32+graphs, fp16+graphs (inference.precision, "
                           "inference.cuda_graphs); the other sections run the first (default all four on a GPU, "
                           "fp32 on the CPU, fp32,fp16 with --stand-in)")
+    gpu.add_argument("--avatar-levels", type=_counts, default=None,
+                     help="gpu bench: live PCM levels with each session on an avatar of its own (one architecture, "
+                          "other weights; default 48 on a GPU, 2 on the CPU; '' for none)")
     gpu.add_argument("--live-s", type=float, metavar="S", help="seconds per live level (default --seconds)")
     gpu.add_argument("--budget-s", type=float, metavar="S",
                      help="the whole run's seconds, the demo's build included: before each section its cost is "
@@ -110,7 +113,8 @@ def main() -> int:
             gpu_settings = gpu.options(args.device, args.model, args.max_batch, args.levels, args.seconds,
                                        args.speaking, args.max_models, args.avatars, args.residency_s, args.stand_in,
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
-                                       live_s=args.live_s, budget_s=args.budget_s)
+                                       live_s=args.live_s, budget_s=args.budget_s,
+                                       avatar_levels=args.avatar_levels)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)

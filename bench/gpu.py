@@ -73,6 +73,7 @@ class GpuBenchOptions:
     steady_calls: int = 10
     variants: tuple[str, ...] = ("fp32",)   # served infer's, each on a server of its own; the first: every section's
     pcm_levels: tuple[int, ...] = ()        # live levels, 16 kHz PCM
+    avatar_levels: tuple[int, ...] = ()     # live levels, 16 kHz PCM, each session on an avatar of its own
     live_s: float = 8.0                     # per live level
     budget_s: Optional[float] = None        # the whole run; None: no limit
 
@@ -82,7 +83,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             max_models: Optional[int] = None, avatars: Optional[int] = None, residency_s: Optional[float] = None,
             stand_in: Optional[float] = None, budget_ms: int = 280, variants: Optional[tuple[str, ...]] = None,
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
-            budget_s: Optional[float] = None) -> GpuBenchOptions:
+            budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -99,6 +100,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            seconds, pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2),
                            pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3,
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
+                           avatar_levels=pick(avatar_levels, (48,), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s)
 
 
@@ -451,7 +453,7 @@ def _sections(r: SectionRunner, root: Path, demo: Path, o: GpuBenchOptions, env:
 
     r.section("served", _served_heading(first, o.seconds, own_server=False), _pays(main, costs) + served_s(),
               lambda: served(main.get(), "avatar", batches, sizes, a, o.seconds))
-    _live_sections(r, main, o, port, costs)
+    _live_sections(r, main, o, port, costs, models, demo)
     _model_sections(r, root, models, demo, main, o, port, costs, sizes, batches)
     _variant_sections(r, root, models, o, env, costs, sizes, batches, a, served_s)
 
@@ -477,7 +479,8 @@ def _sections(r: SectionRunner, root: Path, demo: Path, o: GpuBenchOptions, env:
               lambda: residency(main.get(), o.device, resident_model, o.max_models, seconds))
 
 
-def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port: int, costs: Costs) -> None:
+def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port: int, costs: Costs, models: Path,
+                   demo: Path) -> None:
     """Live levels on the first variant's server: audio windows, then 16 kHz PCM."""
     from config.audio import speech
 
@@ -493,6 +496,14 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
                   "the avatar's audio encoder in the inference process; 1280x720 JPEG q75, 27% speaking, "
                   f"{o.live_s:g} s per level):", levels_s(o.pcm_levels),
                   lambda: live(main.get(), o.pcm_levels, o.live_s, port, speech(PCM_SECONDS)))
+    if o.avatar_levels:
+        most = max(o.avatar_levels)
+        r.section("live_avatars", f"live sessions speaking 16 kHz PCM, each on an avatar of its own ({o.model}, one "
+                  f"architecture, other weights; 20-ms chunks in real time, 27% speaking, {o.live_s:g} s per level):",
+                  levels_s(o.avatar_levels) + most * (costs.write_s + costs.load_s),
+                  lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS),
+                               models=tuple(avatar(models, f"v{k:03d}", demo, _written(o.model, 500 + k), encoder=True)
+                                            for k in range(most))))
 
 
 def _model_sections(r: SectionRunner, root: Path, models: Path, demo: Path, main: LazyServer, o: GpuBenchOptions,

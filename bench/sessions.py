@@ -48,12 +48,13 @@ def _models(demo_dir: Path, root: Path) -> Path:
     return root
 
 
-async def _admitted(endpoint: str, fmt: str, mode: str, admit_s: float) -> tuple[Optional[AsyncSession], int]:
+async def _admitted(endpoint: str, fmt: str, mode: str, admit_s: float,
+                    model: str = "avatar") -> tuple[Optional[AsyncSession], int]:
     """An open session, and how many times the server answered busy first (asked again when it said, for
     up to `admit_s`); None if it never let the session in."""
     give_up, refusals = time.monotonic() + admit_s, 0
     while True:
-        s = AsyncSession(endpoint, "avatar", format=fmt, quality=75 if fmt == "jpeg" else None, timeout_s=60,
+        s = AsyncSession(endpoint, model, format=fmt, quality=75 if fmt == "jpeg" else None, timeout_s=60,
                          audio=mode)
         try:
             return await s.__aenter__(), refusals
@@ -68,12 +69,13 @@ async def _admitted(endpoint: str, fmt: str, mode: str, admit_s: float) -> tuple
 
 
 async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, seed: int,
-                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg", tts: bool = False, admit_s: float = 0.0) -> dict:
+                   pcm: Optional[np.ndarray] = None, fmt: str = "jpeg", tts: bool = False, admit_s: float = 0.0,
+                   model: str = "avatar") -> dict:
     rng = np.random.default_rng(seed)
     mode = "pcm16" if pcm is not None else "window"
     received = [0, 0.0, 0.0]   # bytes, first and last arrival
 
-    s, refusals = await _admitted(endpoint, fmt, mode, admit_s)
+    s, refusals = await _admitted(endpoint, fmt, mode, admit_s, model)
     if s is None:
         return {"refused": True, "busy": refusals}
     async with s:   # (open already: entering it again is the same session)
@@ -122,8 +124,10 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
 
 
 async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",
-                 tts: bool = False, admit_s: float = 0.0) -> list[dict]:
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts, admit_s) for i in range(n)))
+                 tts: bool = False, admit_s: float = 0.0, models: tuple[str, ...] = ("avatar",)) -> list[dict]:
+    """n sessions, session i on models[i % len(models)]."""
+    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts, admit_s,
+                                           models[i % len(models)]) for i in range(n)))
 
 
 def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
@@ -153,7 +157,7 @@ def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
 
 def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False,
                metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False,
-               admit_s: float = 0.0) -> dict:
+               admit_s: float = 0.0, models: tuple[str, ...] = ("avatar",)) -> dict:
     procs = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
     cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
@@ -161,7 +165,7 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     cpu.start()
     depth.start()
     try:
-        stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts, admit_s))
+        stats = asyncio.run(_level(srv.endpoint, n, seconds, duty, pcm, fmt, tts, admit_s, models))
         refused = [st for st in stats if st.get("refused")]
         stats = [st for st in stats if not st.get("refused")]
     finally:

@@ -141,6 +141,10 @@ class CudaDevice:
         """Device to device (a model's weights into a CUDA graph's slot)."""
         self._cp.copyto(dst, src)
 
+    def stack(self, dst, srcs: list) -> None:
+        """Device to device, one kernel: dst[i] = srcs[i] (a grouped call's stacked weights)."""
+        self._cp.stack(srcs, out=dst)
+
     def pin(self, host: np.ndarray) -> None:
         """Page-lock `host` (cudaHostRegister) so copies to and from it run at the bus's speed and need no
         staging; where CUDA refuses (logged), copies work as before, slower."""

@@ -95,7 +95,7 @@ class Registry:
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
         self.architectures = Architectures(device, max_batch, self._threads, self._spin, options.precision,
-                                           options.cuda_graphs) if device.shared_weights else None
+                                           options.cuda_graphs, options.mixed_steps) if device.shared_weights else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

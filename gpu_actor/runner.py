@@ -74,7 +74,9 @@ class Runner(Protocol):
     io: ModelIO
     nbytes: int              # what it holds on the device (0: measured by its load instead, on the CPU)
     frames_per_s: float      # the most frames a second it runs, measured (0: not measured)
-    group: object            # runners whose rows may share a worker's step (one prepared architecture)
+    group: object            # runners whose rows may share a worker's step (one prepared architecture:
+                             # gpu_actor/shared.Prepared, whose prefers_grouped and run_grouped run several
+                             # models' rows in one call; a ModelRunner is its own, one model)
     step_rows: int           # the most frames one call of it holds: a step's size
 
     def record_step(self, kind: str) -> None: ...

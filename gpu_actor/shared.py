@@ -30,6 +30,7 @@ import numpy as np
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
+from gpu_actor.mixed import GroupedCalls
 from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
 from gpu_actor.runner import Part, check_audio, dims
 from gpu_actor.shapes import BatchShapes
@@ -51,8 +52,10 @@ class Prepared:
     a size whose capture fails runs plainly from then on."""
 
     def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, spin: bool,
-                 graphs: bool = False):
+                 graphs: bool = False, mixed: str = "auto"):
         self.architecture, self.device = architecture, device
+        self.mixed = mixed                  # inference.mixed_steps
+        self._session_options = lambda: session_options(threads, spin)
         self.lock = device.lock
         options = lambda: session_options(threads, spin)   # noqa: E731 (a device sets its threads in them)
 
@@ -101,7 +104,8 @@ class Prepared:
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
         self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
         self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
-        self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls per model
+        self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
+        self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), where it runs
 
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
@@ -136,6 +140,92 @@ class Prepared:
         if dropped:
             self.shapes = BatchShapes(tuple(self.sessions))
             self.main_runs = dict.fromkeys(self.shapes.sizes, 0)
+        self._prepare_grouped(weights)
+
+    def _prepare_grouped(self, weights: Weights) -> None:
+        """The N-model form at each prepared size of 2 or more, warmed and timed, unless steps of several
+        models run as sub-calls (`inference.mixed_steps`) or the form cannot express the graph (logged)."""
+        from gpu_actor.grouped import GroupError   # NOTE: here: it imports onnx, which READY does not need
+        sizes = tuple(size for size in self.shapes.sizes if size > 1)
+        if self.mixed == "sub_calls" or not sizes:
+            return
+
+        def session(graph: bytes):
+            with self.lock:
+                return self.device.session(graph, self._session_options())
+        try:
+            grouped = GroupedCalls(self, sizes, session)
+        except GroupError as err:
+            log.warning("architecture %s: steps of several models run one call per model: %s",
+                        self.architecture.key, err)
+            return
+        except Exception as err:   # onnxruntime's own errors, or no device memory for the stacked weights
+            log.warning("architecture %s: no N-model form (%s); steps of several models run one call per model",
+                        self.architecture.key, short(err))
+            return
+        grouped.warm(weights)
+        if grouped.sessions:
+            self.grouped = grouped
+            log.info("architecture %s: N-model form at sizes %s: %s ms a call (plain, one model: %s ms)",
+                     self.architecture.key, tuple(grouped.sessions),
+                     ", ".join(f"{grouped.call_s[s] * 1000:.1f}" for s in grouped.sessions),
+                     ", ".join(f"{self.call_s[s] * 1000:.1f}" for s in grouped.sessions if s in self.call_s))
+
+    def prefers_grouped(self, rows: list[int]) -> bool:
+        """Whether a step whose models hold `rows` frames each (several models, all rows one call's worth)
+        runs as one grouped call rather than a call per model: as `inference.mixed_steps` says, or (auto)
+        whichever was measured faster at preparation."""
+        if self.grouped is None:
+            return False
+        size = self.shapes.pad_to(sum(rows))
+        if size not in self.grouped.sessions:
+            return False
+        if self.mixed == "grouped":
+            return True
+        sub_calls = sum(self.call_s.get(self.shapes.pad_to(n), 0.0) for n in rows)
+        return self.grouped.call_s[size] < sub_calls
+
+    def run_grouped(self, items: list[tuple[SharedRunner, list[Part]]]) -> None:
+        """(The main thread) the parts of several models in one call of the N-model form."""
+        parts = [part for _, part_list in items for part in part_list]
+        weights = [runner.weights for runner, part_list in items for part in part_list for _ in range(len(part.out))]
+        for runner, part_list in items:
+            for part in part_list:
+                check_audio(runner.path, self.io, part.audio, len(part.out))
+        (step,) = self.shapes.plan(len(weights))
+        pieces = self.stage(parts, step)
+        self.grouped.run(step.size, weights)
+        self.count(step.size, len(weights))
+        for part, a, b, at in pieces:
+            self.device.download(self.out[at:at + b - a], part.out[a:b])
+
+    def stage(self, parts: list[Part], step) -> list:
+        """(The main thread) the parts' rows [step.start, step.end) into the staging buffers, padded with
+        zeros to step.size: the avatars' crops made into the visual input on the device, a client's visual
+        input and every audio window copied. The pieces staged: (part, its rows a..b, the call's row)."""
+        device = self.device
+        pieces = list(_pieces(parts, step.start, step.end))
+        rows = step.end - step.start
+        if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
+            # NOTE: zero crops make a zero visual input: padded rows (and rows sent as floats, written over
+            # below) stay harmless zeros
+            host = self.crops_host[:step.size]
+            host[:] = 0
+            for part, a, b, at in pieces:
+                if isinstance(part.visual, VisualFrames):
+                    np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
+            device.upload(self.crops[:step.size], host)
+            device.run(self.crop_session, self.crop_binding(step.size), step.size, graphs=False, model=False)
+        elif step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
+            device.zero(self.visual[rows:step.size])
+        for part, a, b, at in pieces:
+            if not isinstance(part.visual, VisualFrames):
+                frames = part.visual(a, b) if callable(part.visual) else part.visual[a:b]
+                device.upload(self.visual[at:at + b - a], frames)
+            device.upload(self.audio[at:at + b - a], part.audio[a:b])
+        if step.padding:
+            device.zero(self.audio[rows:step.size])
+        return pieces
 
     def _warm(self, size: int, weights: Weights) -> None:
         device, session = self.device, self.sessions[size]
@@ -275,33 +365,13 @@ class SharedRunner:
         together, each part's mouths land in its own `out`."""
         for part in parts:
             check_audio(self.path, self.io, part.audio, len(part.out))
-        p, device = self.prepared, self.prepared.device
+        p = self.prepared
         for step in p.shapes.plan(sum(len(part.out) for part in parts)):
-            pieces = list(_pieces(parts, step.start, step.end))
-            rows = step.end - step.start
-            if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
-                # NOTE: zero crops make a zero visual input: padded rows (and rows sent as floats, written
-                # over below) stay harmless zeros
-                host = p.crops_host[:step.size]
-                host[:] = 0
-                for part, a, b, at in pieces:
-                    if isinstance(part.visual, VisualFrames):
-                        np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
-                device.upload(p.crops[:step.size], host)
-                device.run(p.crop_session, p.crop_binding(step.size), step.size, graphs=False, model=False)
-            elif step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
-                device.zero(p.visual[rows:step.size])
-            for part, a, b, at in pieces:
-                if not isinstance(part.visual, VisualFrames):
-                    frames = part.visual(a, b) if callable(part.visual) else part.visual[a:b]
-                    device.upload(p.visual[at:at + b - a], frames)
-                device.upload(p.audio[at:at + b - a], part.audio[a:b])
-            if step.padding:
-                device.zero(p.audio[rows:step.size])
+            pieces = p.stage(parts, step)
             p.call(step.size, self._binding(step.size))
-            p.count(step.size, rows)
+            p.count(step.size, step.end - step.start)
             for part, a, b, at in pieces:
-                device.download(p.out[at:at + b - a], part.out[a:b])
+                p.device.download(p.out[at:at + b - a], part.out[a:b])
 
 
 def _pieces(parts: list[Part], start: int, end: int):
@@ -320,8 +390,9 @@ class Architectures:
     """A worker's prepared architectures, by key; `load` (the load thread) gives a model's runner."""
 
     def __init__(self, device, max_batch: int, threads: int, spin: bool, precision: str = "fp32",
-                 graphs: bool = False):
+                 graphs: bool = False, mixed: str = "auto"):
         self.device, self.max_batch, self.precision, self.graphs = device, max_batch, precision, graphs
+        self.mixed = mixed
         self._options = (threads, spin)
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
@@ -361,7 +432,8 @@ class Architectures:
             if self.precision == "fp16":
                 from gpu_actor.precision import fp16_architecture   # NOTE: here: it imports onnx
                 architecture = fp16_architecture(path, split, self.device, *self._options)
-            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs)
+            prepared = Prepared(architecture, self.device, self.max_batch, *self._options, graphs=self.graphs,
+                                mixed=self.mixed)
             weights = self._weights(architecture, str(path), split)
             prepared.prepare(weights)
             log.info("architecture %s (from %s) prepared at batch sizes %s: %.0f frames/s at best, %.1f MB a frame",
@@ -382,5 +454,7 @@ class Architectures:
         """Each prepared architecture: its sizes, its measured frames/s, the models loaded on it (stats)."""
         with self._lock:
             return {key: {"sizes": list(p.shapes.sizes), "frames_per_s": round(p.frames_per_s(), 1),
-                          "models": len(p.users), "cuda_graphs": p.slot is not None, **p.call_stats()}
+                          "models": len(p.users), "cuda_graphs": p.slot is not None,
+                          "grouped_ms": {str(s): round(t * 1000, 3) for s, t in p.grouped.call_s.items()}
+                          if p.grouped else {}, **p.call_stats()}
                     for key, p in self.prepared.items()}

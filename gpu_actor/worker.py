@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 import zmq
@@ -242,11 +242,19 @@ class InferenceWorker:
         by_model: dict[str, list[_Job]] = {}
         for job in jobs:
             by_model.setdefault(job.task.model, []).append(job)
-        if by_model:
-            runner = self.registry.loaded[jobs[0].task.model].runner
-            runner.record_step("one_model" if len(by_model) == 1 else "sub_calls")
+        if not by_model:
+            return
+        runners = {model: self.registry.loaded[model].runner for model in by_model}
+        first = runners[jobs[0].task.model]
+        if len(by_model) > 1 and first.group.prefers_grouped([sum(j.task.batch for j in g) for g in by_model.values()]):
+            first.record_step("grouped")   # several avatars, one call of the architecture's N-model form
+            self._run(jobs, "models " + ", ".join(by_model), lambda: first.group.run_grouped(
+                [(runners[model], [Part(j.visual, j.audio, j.out) for j in group]) for model, group in by_model.items()]))
+            return
+        first.record_step("one_model" if len(by_model) == 1 else "sub_calls")
         for model, group in by_model.items():
-            self._run_model(model, group)
+            self._run(group, f"model {model}",
+                      lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
 
     def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
         """A task's output slot (waited for when `wait`, else only if one is free) and visual input; None
@@ -318,19 +326,20 @@ class InferenceWorker:
         self.outputs.release(job.slot)
         self._done(job.task, code, message)
 
-    def _run_model(self, model: str, jobs: list[_Job]) -> None:
-        """One model's jobs of a step in one runner call; each answered and handed on."""
+    def _run(self, jobs: list[_Job], what: str, call: Callable[[], None]) -> None:
+        """Jobs of a step run by `call` (one model's, or several models' grouped); each answered and
+        handed on."""
         t0 = time.perf_counter()
         try:
-            self.registry.loaded[model].runner.run_parts([Part(j.visual, j.audio, j.out) for j in jobs])
+            call()
         except StaleHandle as err:   # a client's visual input freed mid-run: the step's results are not theirs
             for job in jobs:
                 self._fail(job, "timeout", f"request was cancelled while running ({err})")
             return
         except Exception as err:  # onnxruntime's own errors, or a bug: these requests fail, not the worker
-            log.exception("running model %s failed", model)
+            log.exception("running %s failed", what)
             for job in jobs:
-                self._fail(job, "internal", f"model {model} failed to run: {type(err).__name__}: "
+                self._fail(job, "internal", f"{what} failed to run: {type(err).__name__}: "
                            f"{str(err).splitlines()[0][:300] if str(err) else ''}")
             return
         per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
@@ -345,8 +354,8 @@ class InferenceWorker:
                 self._fail(job, "timeout", f"request was cancelled while running ({err})")
                 continue
             built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
-            self.registry.touch(model, task.batch)
-            self.registry.stat(model).infer_ms.append(inference_ms)
+            self.registry.touch(task.model, task.batch)
+            self.registry.stat(task.model).infer_ms.append(inference_ms)
             ref = self.outputs.ref(job.slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
             self._done(task, output=ref if not task.plan else None, queue_ms=job.queue_ms,
                        inference_ms=inference_ms, input_ms=built * 1000)

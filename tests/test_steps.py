@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.runner import ModelRunner
@@ -18,11 +19,16 @@ CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all
 REQUESTS = 8    # 1 frame each, on two avatars of one architecture
 
 
-def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouths(tmp_path):
+@pytest.mark.parametrize("mixed, kind", [("sub_calls", "sub_calls"), ("auto", "grouped")])
+def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouths(tmp_path, mixed, kind):
+    """Two avatars' requests queued together: one step, run as a call per avatar (`sub_calls`), or as one
+    call of the architecture's N-model form, which `auto` picks where a call's fixed cost dominates (a
+    card's; here the stand-in's CALL_MS, measured so when the architecture was prepared)."""
     root = tmp_path / "models"
     for seed, model in enumerate(("a", "b")):
         make_avatar(root, model, kind="tiny", seed=seed)
-    cfg = base_config(root, **{"limits.max_batch": 8, "limits.queue_depth": 16, "shm.slots": REQUESTS})
+    cfg = base_config(root, **{"limits.max_batch": 8, "limits.queue_depth": 16, "shm.slots": REQUESTS,
+                               "inference.mixed_steps": mixed})
     rng = np.random.default_rng(7)
     work = [("ab"[k % 3 == 2], rng.random((1, 6, 320, 320), np.float32),
              rng.standard_normal((1, 32, 16, 16)).astype(np.float32)) for k in range(REQUESTS)]
@@ -49,4 +55,5 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     histogram = {int(rows): n for rows, n in architecture["frames_per_call_histogram"].items()}
     assert sum(rows * n for rows, n in histogram.items()) == REQUESTS, histogram
     assert max(histogram) >= 3 and architecture["frames_per_call"] > 1.5, architecture
-    assert architecture["steps"].get("sub_calls", 0) >= 1, architecture   # two avatars in one step
+    assert architecture["steps"].get(kind, 0) >= 1, architecture   # two avatars in one step
+    assert set(architecture["steps"]) <= {"one_model", kind}, architecture
