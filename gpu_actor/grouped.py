@@ -87,6 +87,55 @@ def grouped_graph(architecture, n: int, pointwise: str = "conv") -> bytes:
     return grouper.finish()
 
 
+PACKED = "packed_weights"
+
+
+def packed_graph(grouped: bytes, architecture, n: int) -> bytes:
+    """`grouped` (grouped_graph's, at batch n) with one input for every weight: PACKED [n, total], row i
+    model i's whole weight buffer (gpu_actor/weights.Weights: each tensor at its aligned offset), so a
+    worker fills a row with one copy instead of one per tensor; each weight is sliced out of it in the
+    graph (a copy on the device: n x the weights' bytes a call). Only where every weight has one dtype
+    (GroupError otherwise: the buffer's bytes would need a bitcast ONNX has no op for)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from gpu_actor.weights import layout
+    dtypes = {np.dtype(d) for d in architecture.dtypes}
+    if len(dtypes) != 1:
+        raise GroupError(f"weights of {len(dtypes)} dtypes ({', '.join(sorted(d.name for d in dtypes))}) "
+                         "cannot share one packed input")
+    (dtype,) = dtypes
+    offsets, total = layout(architecture.shapes, architecture.dtypes)
+    model = onnx.load_from_string(grouped)
+    graph = model.graph
+    weights = set(architecture.weights)
+    kept = [v for v in graph.input if v.name not in weights]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.input.append(helper.make_tensor_value_info(
+        PACKED, helper.np_dtype_to_tensor_dtype(dtype), [n, total // dtype.itemsize]))
+    nodes, inits = [], []
+    bounds_as_inputs = _opset(model) >= 10   # (Slice took its bounds as attributes before opset 10)
+    for k, (name, shape, offset) in enumerate(zip(architecture.weights, architecture.shapes, offsets)):
+        start, size = offset // dtype.itemsize, int(np.prod(shape, dtype=np.int64))
+        consts = {"starts": [start], "ends": [start + size], "axes": [1], "shape": [n, *shape]}
+        if not bounds_as_inputs:
+            consts = {"shape": consts["shape"]}
+        names = {key: f"{PACKED}_{key}_{k}" for key in consts}
+        inits += [numpy_helper.from_array(np.asarray(v, np.int64), names[key]) for key, v in consts.items()]
+        flat = f"{PACKED}_row_{k}"
+        if bounds_as_inputs:
+            nodes.append(helper.make_node("Slice", [PACKED, names["starts"], names["ends"], names["axes"]], [flat]))
+        else:
+            nodes.append(helper.make_node("Slice", [PACKED], [flat], starts=[start], ends=[start + size], axes=[1]))
+        nodes.append(helper.make_node("Reshape", [flat, names["shape"]], [name]))
+    graph.initializer.extend(inits)
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)
+    return model.SerializeToString()
+
+
 def stacked_feeds(architecture, weight_lists: Sequence[Sequence[np.ndarray]]) -> dict[str, np.ndarray]:
     """The grouped graph's weight inputs for n models: `weight_lists[i]` is model i's weights in
     `architecture.weights` order (Architecture.weights_of gives them); row i of each is model i's."""
@@ -434,7 +483,9 @@ class _Grouper:
         new = helper.make_graph(self.nodes, f"{graph.name}_x{self.n}", inputs, outputs,
                                 [*graph.initializer, *self.inits])
         model = helper.make_model(new, opset_imports=list(self.model.opset_import))
-        model.ir_version = self.model.ir_version
+        # NOTE: IR 4 at least: before it every initializer had to be listed as a graph input too, and the
+        # form adds initializers of its own (Reshape shapes)
+        model.ir_version = max(self.model.ir_version, 4)
         model.producer_name = "lipsync-serve.grouped"
         onnx.checker.check_model(model)
         return model.SerializeToString()

@@ -2,12 +2,16 @@
 form (gpu_actor/grouped.py), frame i with its own model's weights, instead of a call per avatar.
 
 `GroupedCalls` belongs to a prepared architecture (gpu_actor/shared.Prepared): a session of the N-model
-form per prepared size of 2 or more, made and warmed on the load thread with the plain sizes, and one
-stacked buffer per weight at the largest size ([largest, *shape]: a call at size s binds its first s
-rows, contiguous). A step copies its rows' models' weights into the stacked buffers (one copy per weight
-for all rows, skipped when the rows hold the same models as the last call), stages its inputs in the
-architecture's staging buffers and runs once. Its measured seconds per size (`call_s`) against the plain
-calls' let a worker choose per step (`inference.mixed_steps: auto`).
+form per prepared size of 2 or more, made and warmed on the load thread with the plain sizes, and the
+rows' weights at the largest size (a call at size s binds the first s rows, contiguous). Where every
+weight has one dtype (fp32), the rows are whole weight buffers, one input the graph slices each weight
+out of (`grouped.packed_graph`): a step copies a row with one device copy of the model's buffer, and
+only the rows whose model changed since the last call. Otherwise one stacked buffer per weight
+([largest, *shape]) and one copy per weight for all rows (on a card, a call into cupy per tensor: 186 for
+unet_328, milliseconds of the worker's thread; measured on an H200, docs/benchmarks.md). The step stages
+its inputs in the architecture's staging buffers and runs once. Its measured seconds per size
+(`call_s`: copying every row's weights, then the call) against the plain calls' let a worker choose per
+step (`inference.mixed_steps: auto`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 import time
 import weakref
 from typing import Callable, Optional
+
+import numpy as np
 
 from gpu_actor.onnx_sessions import out_of_memory, short
 from gpu_actor.weights import Weights
@@ -28,14 +34,25 @@ class GroupedCalls:
     thread). `session` makes a session of a serialized graph; `bind` binds the staging buffers at a size."""
 
     def __init__(self, prepared, sizes: tuple[int, ...], session: Callable[[bytes], object]):
-        from gpu_actor.grouped import grouped_graph   # NOTE: here: it imports onnx, which READY does not need
+        # NOTE: here: it imports onnx, which READY does not need
+        from gpu_actor.grouped import PACKED, grouped_graph, packed_graph
+        from gpu_actor.weights import layout
         architecture, device = prepared.architecture, prepared.device
         self.prepared, self.device = prepared, device
         largest = max(sizes)
+        dtypes = {np.dtype(d) for d in architecture.dtypes}
+        self.packed = len(dtypes) == 1   # one dtype: whole buffers in one input (module docstring)
+        graphs = {size: grouped_graph(architecture, size) for size in sizes}
         with device.lock:
-            self.stacked = [device.empty((largest, *shape), dtype)
-                            for shape, dtype in zip(architecture.shapes, architecture.dtypes)]
-        self.sessions = {size: session(grouped_graph(architecture, size)) for size in sizes}
+            if self.packed:
+                self.rows = device.empty((largest, layout(architecture.shapes, architecture.dtypes)[1]), np.uint8)
+                self._inputs = [(PACKED, self.rows.view(next(iter(dtypes))))]
+                graphs = {size: packed_graph(graph, architecture, size) for size, graph in graphs.items()}
+            else:
+                self.stacked = [device.empty((largest, *shape), dtype)
+                                for shape, dtype in zip(architecture.shapes, architecture.dtypes)]
+                self._inputs = list(zip(architecture.weights, self.stacked))
+        self.sessions = {size: session(graph) for size, graph in graphs.items()}
         self._bindings: dict[int, object] = {}
         self._owners: list[Optional[weakref.ref]] = [None] * largest   # the Weights each stacked row holds
         self.call_s: dict[int, float] = {}
@@ -45,8 +62,8 @@ class GroupedCalls:
         if binding is None:
             p, device = self.prepared, self.device
             binding = self.sessions[size].io_binding()
-            for name, stacked in zip(p.architecture.weights, self.stacked):
-                device.bind(binding, name, stacked[:size])
+            for name, rows in self._inputs:
+                device.bind(binding, name, rows[:size])
             device.bind(binding, p.io.visual, p.visual[:size])
             device.bind(binding, p.io.audio, p.audio[:size])
             device.bind(binding, p.io.output, p.out[:size], output=True)
@@ -55,10 +72,16 @@ class GroupedCalls:
 
     def load(self, rows: list[Weights]) -> None:
         """Make the stacked buffers' first len(rows) rows hold these models' weights, unless they do."""
-        if all(owner is not None and owner() is w for owner, w in zip(self._owners, rows)):
+        held = [owner is not None and owner() is w for owner, w in zip(self._owners, rows)]
+        if all(held):
             return
-        for k, stacked in enumerate(self.stacked):
-            self.device.stack(stacked[:len(rows)], [w.views[k] for w in rows])
+        if self.packed:   # a copy per row whose model changed
+            for i, w in enumerate(rows):
+                if not held[i]:
+                    self.device.copy(self.rows[i], w.flat)
+        else:
+            for k, stacked in enumerate(self.stacked):
+                self.device.stack(stacked[:len(rows)], [w.views[k] for w in rows])
         self._owners[:len(rows)] = [weakref.ref(w) for w in rows]
 
     def warm(self, weights: Weights) -> None:
@@ -71,7 +94,9 @@ class GroupedCalls:
                     self.load([weights] * size)
                     binding = self.binding(size)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
+                    self._owners = [None] * len(self._owners)   # NOTE: timed with every row copied again
                     t0 = time.perf_counter()
+                    self.load([weights] * size)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
                     self.call_s[size] = time.perf_counter() - t0
             except Exception as err:   # onnxruntime's own errors

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from config.assets import AssetError
 from gpu_actor.device import StandInDevice
 from gpu_actor.graphs import split_model
-from gpu_actor.runner import ModelRunner
+from gpu_actor.runner import ModelRunner, Part
 from gpu_actor.shared import Architectures
 from gpu_actor.weights import Weights
 
@@ -266,3 +266,42 @@ def _chain(rng, *features):
         inits += more_inits
     nodes.append(helper.make_node("Identity", [current], [FEATURE_OUT]))
     return nodes, inits
+
+
+# (gather_table, float16_cast: their seeds' constants differ, so they are two architectures: never one step)
+@pytest.mark.parametrize("case", sorted(set(CASES) - {"gather_table", "float16_cast", "empty_weight"}))
+def test_a_grouped_step_of_several_models_gives_each_frame_its_own_models_mouths(tmp_path, case):
+    """A step holding frames of several models of one graph, in one call of its N-model form
+    (gpu_actor/mixed.py): each part's mouths are its own model's, with a model twice and padding (5
+    frames at size 8); fp32 graphs' weights go as whole buffers (one packed input), the fp16 case's as
+    one stacked input per weight."""
+    build, save, _ = CASES[case]
+    paths = [save(build(seed), tmp_path / f"{case}{seed}" / "model.onnx") for seed in (1, 2)]
+    archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
+    runners = [archs.load(path, f"{case}{k}") for k, path in enumerate(paths)]
+    prepared = runners[0].prepared
+    assert runners[1].prepared is prepared
+    assert prepared.grouped is not None and prepared.grouped.packed == (case != "float16_weight")
+    rows = (2, 1, 2)   # models 0, 1, 0
+    inputs = [_inputs(n, seed=10 + k) for k, n in enumerate(rows)]
+    outs = [np.full((n, 3, 320, 320), np.nan, np.float32) for n in rows]
+    parts = [Part(v, a, o) for (v, a), o in zip(inputs, outs)]
+    assert prepared.prefers_grouped([4, 1])
+    prepared.run_grouped([(runners[0], [parts[0], parts[2]]), (runners[1], [parts[1]])])
+    assert prepared.call_stats()["steps"] == {} and prepared.calls == {8: 1}
+    for k, ((visual, audio), out) in enumerate(zip(inputs, outs)):
+        want = np.empty_like(out)
+        ModelRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
+        np.testing.assert_allclose(out, want, rtol=0, atol=1e-5, err_msg=f"{case}: part {k}")
+
+
+def test_a_graph_the_n_model_form_cannot_express_runs_its_mixed_steps_as_a_call_per_model(tmp_path, caplog):
+    """A 0-byte weight added to the features is data the form refuses (gpu_actor/grouped.py names the
+    node): the architecture serves, and its steps of several models are sub-calls."""
+    build, save, _ = CASES["empty_weight"]
+    paths = [save(build(seed), tmp_path / f"e{seed}" / "model.onnx") for seed in (1, 2)]
+    archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
+    runners = [archs.load(path, f"e{k}") for k, path in enumerate(paths)]
+    assert runners[0].prepared.grouped is None and not runners[0].prepared.prefers_grouped([1, 1])
+    assert "run one call per model" in caplog.text and "Add node" in caplog.text
+    np.testing.assert_allclose(_mouths(runners[1], 3), _mouths(ModelRunner(paths[1]), 3), rtol=0, atol=1e-5)
