@@ -21,13 +21,14 @@ from tests.helpers import ROOT
 
 SECTIONS = ("first call per shape after ready", "onnxruntime alone, inputs and outputs on the device",
             "served infer per batch, fp32", "live sessions on the tiny model",
-            "live sessions speaking 16 kHz PCM on the tiny model", "model load -> first frame",
+            "live sessions speaking 16 kHz PCM on the tiny model",
+            "live sessions speaking 16 kHz PCM, each on an avatar of its own", "model load -> first frame",
             "a load while 1 sessions speak", "a model's own session vs its architecture's shared session",
             "calls alternating between shapes", "served infer per batch, fp16", "variants against the fp32 anchor",
             "models resident on the device")
 # the JSON's sections, in the order they run
-ORDER = ("first_call", "anchor", "served", "live", "live_pcm", "first_frame", "load_while_speaking", "own_vs_shared",
-         "alternating", "served_fp16", "variants", "residency")
+ORDER = ("first_call", "anchor", "served", "live", "live_pcm", "live_avatars", "first_frame", "load_while_speaking",
+         "own_vs_shared", "alternating", "served_fp16", "variants", "residency")
 STALL_S = 0.5   # the stand-in's first call per (session, shape)
 
 
