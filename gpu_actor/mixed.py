@@ -57,17 +57,21 @@ class GroupedCalls:
         self._owners: list[Optional[weakref.ref]] = [None] * largest   # the Weights each stacked row holds
         self.call_s: dict[int, float] = {}
 
-    def binding(self, size: int):
-        binding = self._bindings.get(size)
+    def binding(self, size: int, staging: Optional[tuple] = None):
+        """The call's binding at `size`: the weight rows and the architecture's staging buffers (made once;
+        the main thread's), or `staging`, buffers of the warm-up's own (visual, audio, out)."""
+        binding = self._bindings.get(size) if staging is None else None
         if binding is None:
             p, device = self.prepared, self.device
+            visual, audio, out = staging or (p.visual, p.audio, p.out)
             binding = self.sessions[size].io_binding()
             for name, rows in self._inputs:
                 device.bind(binding, name, rows[:size])
-            device.bind(binding, p.io.visual, p.visual[:size])
-            device.bind(binding, p.io.audio, p.audio[:size])
-            device.bind(binding, p.io.output, p.out[:size], output=True)
-            self._bindings[size] = binding
+            device.bind(binding, p.io.visual, visual[:size])
+            device.bind(binding, p.io.audio, audio[:size])
+            device.bind(binding, p.io.output, out[:size], output=True)
+            if staging is None:
+                self._bindings[size] = binding
         return binding
 
     def load(self, rows: list[Weights]) -> None:
@@ -84,19 +88,32 @@ class GroupedCalls:
                 self.device.stack(stacked[:len(rows)], [w.views[k] for w in rows])
         self._owners[:len(rows)] = [weakref.ref(w) for w in rows]
 
-    def warm(self, weights: Weights) -> None:
-        """(The load thread, no request running this architecture) every size twice, largest first: the
-        first call pays the device's per-shape preparation, the second is the size's steady cost. A size
-        the device has no memory for, or that fails to run, is dropped (its steps run as sub-calls)."""
+    def warm(self, model_weights: Callable[[], Optional[Weights]]) -> bool:
+        """(The load thread, while the main thread may run the architecture's models: buffers of its own)
+        every size twice, largest first: the first call pays the device's per-shape preparation, the
+        second is the size's steady cost. A size the device has no memory for, or that fails to run, is
+        dropped (its steps run as sub-calls)."""
+        p, device = self.prepared, self.device
+        largest = max(self.sessions)
+        weights = model_weights()
+        if weights is None:   # its model is gone already
+            return False
+        # NOTE: every row holds the model's weights from here on, and the warm-up copies rows from the first:
+        # the model itself is not held meanwhile (an eviction frees its memory at once)
+        with device.lock:
+            self.load([weights] * largest)
+            del weights
+            staging = (device.empty((largest, *p.visual.shape[1:])), device.empty((largest, *p.audio.shape[1:])),
+                       device.empty((largest, *p.out.shape[1:])))
+            first = _FirstRow(self, largest)
         for size in sorted(self.sessions, reverse=True):
             try:
                 with self.device.lock:
-                    self.load([weights] * size)
-                    binding = self.binding(size)
+                    binding = self.binding(size, staging)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
                     self._owners = [None] * len(self._owners)   # NOTE: timed with every row copied again
                     t0 = time.perf_counter()
-                    self.load([weights] * size)
+                    self.load([first] * size)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
                     self.call_s[size] = time.perf_counter() - t0
             except Exception as err:   # onnxruntime's own errors
@@ -107,9 +124,21 @@ class GroupedCalls:
                     self._bindings.pop(size, None)
                     del self.sessions[size]
         self._owners = [None] * len(self._owners)
+        return bool(self.sessions)
 
     def run(self, size: int, rows: list[Weights]) -> None:
         """(The main thread) one call at `size` whose row i runs with rows[i] (padding rows: any model's)."""
         rows = rows + [rows[0]] * (size - len(rows))
         self.load(rows)
         self.device.run(self.sessions[size], self.binding(size), size, graphs=False)
+
+
+class _FirstRow:
+    """The weights the rows hold after a warm-up's first copy, as a source to copy every row from again
+    (its own copy of the first row: never a copy onto itself)."""
+
+    def __init__(self, grouped: GroupedCalls, largest: int):
+        if grouped.packed:
+            self.flat = grouped.rows[0].copy()
+        else:
+            self.views = [stacked[0].copy() for stacked in grouped.stacked]

@@ -4,6 +4,7 @@ gpu_actor/device.py and gpu_actor/cuda.py both stand on it."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 
@@ -113,25 +114,45 @@ def share_cpu_arena(options: ort.SessionOptions) -> None:
 
 
 class DeviceLock:
-    """A lock taken in turn (first come, first served): the load thread takes it around each of its calls
-    into the device, one after another; a plain Lock would let it take the lock back at once after each,
-    and a main-thread capture waiting for it could wait for the whole load."""
+    """Who may call into a device while a CUDA graph is captured. A capture (the main thread's first calls
+    at a size, `exclusive`) must see no other thread's CUDA call: it waits for the calls in progress and
+    holds the device alone. Every other holder (the load thread, the background preparation, each around
+    one call into the device) shares it with the others: a new avatar's load never waits for another
+    thread's preparation. A capture that is waiting goes before shared holders that come after it: the
+    load thread, taking it again after each call, cannot keep a capture waiting for a whole load."""
 
     def __init__(self):
-        self._turn = threading.Condition()
-        self._next = self._serving = 0
+        self._cond = threading.Condition()
+        self._shared = 0                 # holders now, sharing
+        self._exclusive = False          # held by a capture now
+        self._captures_waiting = 0
 
     def __enter__(self) -> "DeviceLock":
-        with self._turn:
-            ticket, self._next = self._next, self._next + 1
-            self._turn.wait_for(lambda: self._serving == ticket)
+        with self._cond:
+            self._cond.wait_for(lambda: not self._exclusive and not self._captures_waiting)
+            self._shared += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        with self._turn:
-            self._serving += 1
-            self._turn.notify_all()
+        with self._cond:
+            self._shared -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the device alone (a capture)."""
+        with self._cond:
+            self._captures_waiting += 1
+            self._cond.wait_for(lambda: not self._exclusive and not self._shared)
+            self._captures_waiting -= 1
+            self._exclusive = True
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
     def locked(self) -> bool:
-        with self._turn:
-            return self._serving != self._next
+        with self._cond:
+            return self._exclusive or self._shared > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,11 +95,16 @@ class Registry:
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
+        # what serves faster once ready but no load needs (an architecture's N-model form): loads never queue
+        # behind it; like the load thread it holds the device's lock around each call into the device
+        self._background = cf.ThreadPoolExecutor(1, thread_name_prefix="model-prepare",
+                                                 initializer=self.device.bind_thread)
         self.architectures = Architectures(device, max_batch, self._threads, self._spin, options.precision,
                                            options.cuda_graphs, options.mixed_steps) if device.shared_weights else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._background.shutdown(wait=False, cancel_futures=True)
         self.loaded.clear()
 
     def _held(self, model: str) -> bool:
@@ -165,6 +171,14 @@ class Registry:
             return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {str(err)[:300]}", code)
         return LoadResult(model, runner, nbytes, (time.perf_counter() - t0) * 1000, None)
 
+    def _prepare_grouped(self, runner: Callable[[], Optional[Runner]]) -> None:
+        """(The background thread) the N-model form of `runner`'s architecture, where it is due
+        (gpu_actor/shared.Architectures.prepare_grouped); a failure is logged: mixed steps run as sub-calls."""
+        try:
+            self.architectures.prepare_grouped(runner)
+        except Exception:   # onnxruntime's own errors, or a bug: the models still serve, one call each
+            log.exception("preparing an architecture's N-model form failed; its mixed steps run a call per model")
+
     def poll_loads(self) -> list[LoadResult]:
         """Finished loads, now in the loaded set (or failed); call from the worker loop."""
         done = []
@@ -190,6 +204,8 @@ class Registry:
                 stats.frames_per_s = result.runner.frames_per_s
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
                 self._on_event(model, "loaded", result.load_ms, result.nbytes, stats.frames_per_s)
+                if self.architectures is not None:   # (a thread of its own: no avatar's load waits for it)
+                    self._background.submit(self._prepare_grouped, weakref.ref(result.runner))
                 if model in self._unload_when_loaded:
                     self._unload_when_loaded.discard(model)
                     self._drop(model, "unloaded")

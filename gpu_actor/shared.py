@@ -105,7 +105,8 @@ class Prepared:
         self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
         self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
         self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
-        self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), where it runs
+        self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), once ready
+        self.grouped_tried = False
 
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
@@ -140,15 +141,19 @@ class Prepared:
         if dropped:
             self.shapes = BatchShapes(tuple(self.sessions))
             self.main_runs = dict.fromkeys(self.shapes.sizes, 0)
-        self._prepare_grouped(weights)
 
-    def _prepare_grouped(self, weights: Weights) -> None:
-        """The N-model form at each prepared size of 2 or more, warmed and timed, unless steps of several
-        models run as sub-calls (`inference.mixed_steps`) or the form cannot express the graph (logged)."""
+    def prepare_grouped(self, weights: Callable[[], Optional[Weights]]) -> None:
+        """`weights`: a model's, or None once it is gone (a weak reference: never held while preparing).
+        (The registry's background thread, once: when a second model of the architecture has loaded, so
+        an architecture with one avatar never pays it, and no avatar's load waits for it) the N-model form at each prepared
+        size of 2 or more, warmed and timed, unless steps of several models run as sub-calls
+        (`inference.mixed_steps`) or the form cannot express the graph (logged). Until it is ready such
+        steps run as sub-calls."""
         from gpu_actor.grouped import GroupError   # NOTE: here: it imports onnx, which READY does not need
         sizes = tuple(size for size in self.shapes.sizes if size > 1)
-        if self.mixed == "sub_calls" or not sizes:
+        if self.grouped_tried or self.mixed == "sub_calls" or not sizes:
             return
+        self.grouped_tried = True
 
         def session(graph: bytes):
             with self.lock:
@@ -163,8 +168,7 @@ class Prepared:
             log.warning("architecture %s: no N-model form (%s); steps of several models run one call per model",
                         self.architecture.key, short(err))
             return
-        grouped.warm(weights)
-        if grouped.sessions:
+        if grouped.warm(weights):
             self.grouped = grouped
             log.info("architecture %s: N-model form at sizes %s: %s ms a call (plain, one model: %s ms)",
                      self.architecture.key, tuple(grouped.sessions),
@@ -251,7 +255,7 @@ class Prepared:
         if self.slot is None or self.main_runs[size] >= CAPTURE_RUNS:
             device.run(session, binding, size, graphs=size not in self.plain)
             return
-        with self.lock:
+        with self.lock.exclusive():
             try:
                 device.run(session, binding, size, graphs=size not in self.plain)
             except Exception as err:   # onnxruntime's own errors: a graph it runs but cannot capture
@@ -444,6 +448,23 @@ class Architectures:
         else:
             weights = self._weights(prepared.architecture, str(path), split)
         return SharedRunner(prepared, weights, path)
+
+    def prepare_grouped(self, runner: Callable[[], Optional[SharedRunner]]) -> None:
+        """(A thread beside the load thread, after the model of `runner`, a weak reference, counts as loaded)
+        its architecture's N-model form, once a second model of it is loaded (Prepared.prepare_grouped);
+        the model is not held meanwhile: an eviction frees it at once."""
+        model = runner()
+        if model is None:
+            return
+        prepared, weights = model.prepared, weakref.ref(model.weights)
+        del model
+        if prepared.grouped_tried or len(prepared.users) < 2:
+            return
+        try:
+            prepared.prepare_grouped(weights)
+        finally:
+            with self.device.lock:
+                self.device.release()   # (its warm-up buffers)
 
     def _forget_idle(self) -> None:
         idle = [key for key, p in self.prepared.items() if not p.users]

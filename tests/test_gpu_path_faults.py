@@ -170,7 +170,10 @@ def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_sm
             return session
 
     path = write_model(tmp_path / "m.onnx", kind="tiny", seed=1)
-    runner = Architectures(Recording(2), 8, 0, False, graphs=True).load(path)
+    archs = Architectures(Recording(2), 8, 0, False, graphs=True)
+    runner = archs.load(path)
+    second = archs.load(write_model(tmp_path / "m2.onnx", kind="tiny", seed=2))
+    archs.prepare_grouped(weakref.ref(second))   # (2 models of the architecture)
     assert runner.prepared.shapes.sizes == (1, 2) and tuple(runner.prepared.grouped.sessions) == (2,)
     gc.collect()
     alive = [ref() for ref in made if ref() is not None]

@@ -7,6 +7,7 @@ bound per call (gpu_actor/shared.Architectures on the stand-in device), and run 
 from __future__ import annotations
 
 import re
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -279,6 +280,7 @@ def test_a_grouped_step_of_several_models_gives_each_frame_its_own_models_mouths
     paths = [save(build(seed), tmp_path / f"{case}{seed}" / "model.onnx") for seed in (1, 2)]
     archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
     runners = [archs.load(path, f"{case}{k}") for k, path in enumerate(paths)]
+    archs.prepare_grouped(weakref.ref(runners[1]))
     prepared = runners[0].prepared
     assert runners[1].prepared is prepared
     assert prepared.grouped is not None and prepared.grouped.packed == (case != "float16_weight")
@@ -302,6 +304,7 @@ def test_a_graph_the_n_model_form_cannot_express_runs_its_mixed_steps_as_a_call_
     paths = [save(build(seed), tmp_path / f"e{seed}" / "model.onnx") for seed in (1, 2)]
     archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
     runners = [archs.load(path, f"e{k}") for k, path in enumerate(paths)]
+    archs.prepare_grouped(weakref.ref(runners[1]))
     assert runners[0].prepared.grouped is None and not runners[0].prepared.prefers_grouped([1, 1])
     assert "run one call per model" in caplog.text and "Add node" in caplog.text
     np.testing.assert_allclose(_mouths(runners[1], 3), _mouths(ModelRunner(paths[1]), 3), rtol=0, atol=1e-5)
