@@ -169,10 +169,14 @@ def estimate_s(n: int, done: list[dict], device: str, model: str, seconds: float
     if done:
         last = done[-1]
         scale = n / last["n"]
-        total = sum(last["session_ms"].values()) / 1000 * max(1.0, scale)
+        # NOTE: on a GPU a first call is building cuDNN's plans, seconds whatever the batch (3.1-5.7 s from
+        # batch 1 to 64 on an H100): scaling it by n, as the CPU's compute scales, skipped n = 16 on an
+        # H200 at an estimated 96 s
+        first_scale = max(1.0, scale) if device == "cpu" else 1.5
+        total = sum(last["session_ms"].values()) / 1000 * first_scale
         for v in VARIANTS:
             call_s = last[v]["ms"] / 1000 * scale
-            first_s = last[v]["first_ms"] / 1000 * max(1.0, scale)
+            first_s = last[v]["first_ms"] / 1000 * first_scale
             total += first_s + call_s + max(seconds, MIN_CALLS * call_s)
         return total + 0.1 * n   # weights uploaded per model
     if device != "cpu":
