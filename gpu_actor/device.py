@@ -7,7 +7,8 @@ Three devices:
   a real-size unet_328 frame costs 90.5 ms so against 207.3 ms with its weights as inputs on a 2-core
   x86 host, `python -m bench gpu --stand-in 1.0`), one frame per call (gpu_actor/runner.py says why).
 - `CudaDevice` ("cuda:N", gpu_actor/cuda.py): one prepared session per architecture and batch size, each
-  model's weights resident on the device and bound per call (gpu_actor/shared.py), buffers in cupy, the
+  model's weights resident on the device and bound per call (gpu_actor/prepared.py, gpu_actor/shared.py),
+  buffers in cupy, the
   host thread blocking (not spinning) while the GPU works.
 - `StandInDevice`: the GPU's batching on the CPU provider, for tests and benches where there is no
   GPU. It runs exactly what a CudaDevice runs (shared sessions, prepared sizes, padding, staging copies,

@@ -1,7 +1,7 @@
 """Steps that hold frames of several avatars of one architecture: one call of the architecture's N-model
 form (gpu_actor/grouped.py), frame i with its own model's weights, instead of a call per avatar.
 
-`GroupedCalls` belongs to a prepared architecture (gpu_actor/shared.Prepared): a session of the N-model
+`GroupedCalls` belongs to a prepared architecture (gpu_actor/prepared.Prepared): a session of the N-model
 form per prepared size of 2 or more, made and warmed on the load thread with the plain sizes, and the
 rows' weights at the largest size (a call at size s binds the first s rows, contiguous). Where every
 weight has one dtype (fp32), the rows are whole weight buffers, one input the graph slices each weight

@@ -1,6 +1,6 @@
 """The visual input built where the model runs: a small ONNX graph that turns the avatar's uint8 crops
 into `build_visual`'s float input (gpu_actor/visual.py), bit for bit. A GPU worker runs it as a session
-of its own on the device, writing into the model's input buffer (gpu_actor/shared.py), so a client's own
+of its own on the device, writing into the model's input buffer (gpu_actor/prepared.py), so a client's own
 float visual input uses the same prepared model sessions, and it stays float32 whatever the precision.
 
     crops  [B, 328, 328, 3] uint8   BGR, the frame's 328x328 face crop (config/geometry.crop_328)

@@ -75,7 +75,7 @@ class Runner(Protocol):
     nbytes: int              # what it holds on the device (0: measured by its load instead, on the CPU)
     frames_per_s: float      # the most frames a second it runs, measured (0: not measured)
     group: object            # runners whose rows may share a worker's step (one prepared architecture:
-                             # gpu_actor/shared.Prepared, whose prefers_grouped and run_grouped run several
+                             # gpu_actor/prepared.Prepared, whose prefers_grouped and run_grouped run several
                              # models' rows in one call; a ModelRunner is its own, one model)
     step_rows: int           # the most frames one call of it holds: a step's size
 
@@ -139,7 +139,7 @@ class ModelRunner:
             out[step.start:step.end] = pad_o[:rows]
 
     def record_step(self, kind: str) -> None:
-        """(Steps are counted where calls hold many frames: gpu_actor/shared.py.)"""
+        """(Steps are counted where calls hold many frames: gpu_actor/prepared.py.)"""
 
     def run_parts(self, parts: list[Part]) -> None:
         """Several requests' rows: one frame a call whatever the step, so each part runs as its own batch."""

@@ -1,325 +1,31 @@
-"""One prepared graph per architecture, each model's weights bound per call (devices whose
-`shared_weights` is set: a GPU, and the stand-in device that behaves like one).
-
-A `Prepared` architecture holds an onnxruntime session per prepared batch size (cuDNN rebuilds a
-session's plans when its input shape changes, so calls that alternate sizes would pay again in one
-session), each warmed once, largest first, before any model of the architecture is ready: after that
-no call ever meets a new shape. Its staging buffers (visual, audio, output at the largest size) are
-allocated once on the device and never move.
+"""Models on prepared architectures (gpu_actor/prepared.py), for devices whose `shared_weights` is set.
 
 A `SharedRunner` is one model: its weights resident on the device and, per batch size, an IO binding
 made once (weights, staging buffers), so a call binds nothing: copy the rows in, run, copy the mouths out.
-A model's load is reading its file and uploading its weights (`Architectures.load`); a new architecture
-(the first model of it, or a graph like no other) is prepared on the load thread before its model
-counts as loaded, never on the path of running models' batches.
+`Architectures` keeps a worker's prepared architectures by key: a model's load is reading its file and
+uploading its weights (`Architectures.load`); a new architecture (the first model of it, or a graph like
+no other) is prepared on the load thread before its model counts as loaded, never on the path of running
+models' batches.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import traceback
 import weakref
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import numpy as np
 
-from config.assets import AssetError, ModelIO, classify_io
-from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
-from gpu_actor.mixed import GroupedCalls
-from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
-from gpu_actor.runner import Part, check_audio, dims
-from gpu_actor.shapes import BatchShapes
-from gpu_actor.visual import VisualFrames
+from gpu_actor.prepared import Prepared
+from gpu_actor.runner import Part, check_audio
 from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
-CAPTURE_RUNS = 3         # CUDA graphs: the main thread's calls per size held under the device's lock (onnxruntime
-                         # 1.31 captures inside a thread's first run: two plain runs, then the capture)
-
-
-class Prepared:
-    """One architecture on one device, prepared at every batch size.
-
-    Threads: the load thread makes it and prepares it, holding `device.lock` around each call into the
-    device, never a whole load; the main thread runs it. With CUDA graphs the main thread captures each
-    size at its first call there (onnxruntime keeps a graph per thread), holding the lock meanwhile, and
-    a size whose capture fails runs plainly from then on."""
-
-    def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, spin: bool,
-                 graphs: bool = False, mixed: str = "auto"):
-        self.architecture, self.device = architecture, device
-        self.mixed = mixed                  # inference.mixed_steps
-        self._session_options = lambda: session_options(threads, spin)
-        self.lock = device.lock
-        options = lambda: session_options(threads, spin)   # noqa: E731 (a device sets its threads in them)
-
-        def session(graphs: bool):
-            with self.lock:
-                return device.session(architecture.graph, options(), graphs)
-        try:
-            first = session(graphs)
-        except (DeviceError, MemoryError):
-            raise
-        except Exception as err:  # onnxruntime raises its own exception types for graphs it cannot run
-            if not graphs:
-                raise AssetError(f"onnxruntime cannot load the model's graph: {short(err)}") from None
-            # e.g. "cannot use the CUDA Graph feature ... all the graph nodes have not been partitioned"
-            log.warning("architecture %s: no CUDA graphs for it (%s); plain runs", architecture.key, short(err))
-            graphs = False
-            first = session(graphs)   # NOTE: a graph that cannot load at all fails here as without graphs
-        weights = set(architecture.weights)
-        self.io: ModelIO = classify_io(
-            [(i.name, dims(i.shape)) for i in first.get_inputs() if i.name not in weights],
-            [(o.name, dims(o.shape)) for o in first.get_outputs()], f"architecture {architecture.key}")
-        self.shapes = BatchShapes(device.sizes(max_batch, self.io.batch))
-        self.sessions = {size: first if size == self.shapes.largest else session(graphs) for size in self.shapes.sizes}
-        # the avatar's crops become the visual input on the device (gpu_actor/preprocess.py): a crop is
-        # 0.32 MB on the bus where its float input is 2.46 MB; a client's own visual input goes as it is
-        from gpu_actor.preprocess import visual_graph   # NOTE: here: it imports onnx, which READY does not need
-        crops_graph = visual_graph().SerializeToString()
-        largest = self.shapes.largest
-        with self.lock:
-            self.crop_session = device.session(crops_graph, options())
-            self.visual = device.empty((largest, *VISUAL_SHAPE))
-            self.audio = device.empty((largest, *self.io.audio_shape))
-            self.out = device.empty((largest, *MOUTH_SHAPE))
-            self.crops = device.empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
-            self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
-            # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured); the
-            # model whose weights it holds now. Without: each model's own buffer is bound.
-            self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
-        self._crop_bindings: dict[int, object] = {}
-        self.users: weakref.WeakSet = weakref.WeakSet()   # its SharedRunners: in use while any lives
-        self.slot_owner: Callable[[], Optional[Weights]] = lambda: None
-        self._slot_bindings: dict[int, object] = {}
-        self.main_runs = dict.fromkeys(self.shapes.sizes, 0)   # the main thread's calls per size (captures)
-        self.plain: set[int] = set()            # CUDA graphs: sizes whose capture failed, run without graphs
-        self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
-        self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
-        self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
-        self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
-        self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
-        self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), once ready
-        self.grouped_tried = False
-
-    def prepare(self, weights: Weights) -> None:
-        """Run every size twice, largest first: the first call pays the device's per-shape preparation
-        (and the largest grows the memory pool once for all), the second is the size's steady cost
-        (`call_s`). No request runs this architecture yet, so its staging buffers are free; the main
-        thread may be running other architectures meanwhile.
-        A size the device has no memory for is dropped (its batches run as calls at smaller sizes); with
-        none left, DeviceMemoryError (the registry evicts an idle model and loads again)."""
-        device, dropped = self.device, []
-        for size in sorted(self.shapes.sizes, reverse=True):
-            try:
-                with self.lock:
-                    before = device.memory_used()
-                    self._warm(size, weights)
-                    grown = device.memory_used() - before
-            except Exception as err:   # onnxruntime's own errors: a graph it loads but cannot run
-                if not out_of_memory(err):
-                    raise AssetError(f"the model's graph fails to run at batch {size}: {short(err)}") from None
-                if size == self.shapes.sizes[0]:
-                    raise DeviceMemoryError(f"no device memory to run the model at batch {size}: {short(err)}") \
-                        from None
-                log.warning("architecture %s: no device memory for batch %d (%s); its batches run smaller",
-                            self.architecture.key, size, short(err))
-                dropped.append(size)
-                with self.lock:   # NOTE: its session goes now, its arena with it: bindings hold it too
-                    self._slot_bindings.pop(size, None)
-                    self._crop_bindings.pop(size, None)
-                    del self.sessions[size]
-                continue
-            if not self.frame_bytes:
-                self.frame_bytes = max(grown, 0) // size
-        if dropped:
-            self.shapes = BatchShapes(tuple(self.sessions))
-            self.main_runs = dict.fromkeys(self.shapes.sizes, 0)
-
-    def prepare_grouped(self, weights: Callable[[], Optional[Weights]]) -> None:
-        """`weights`: a model's, or None once it is gone (a weak reference: never held while preparing).
-        (The registry's background thread, once: when a second model of the architecture has loaded, so
-        an architecture with one avatar never pays it, and no avatar's load waits for it) the N-model form at each prepared
-        size of 2 or more, warmed and timed, unless steps of several models run as sub-calls
-        (`inference.mixed_steps`) or the form cannot express the graph (logged). Until it is ready such
-        steps run as sub-calls."""
-        from gpu_actor.grouped import GroupError   # NOTE: here: it imports onnx, which READY does not need
-        sizes = tuple(size for size in self.shapes.sizes if size > 1)
-        if self.grouped_tried or self.mixed == "sub_calls" or not sizes:
-            return
-        self.grouped_tried = True
-
-        def session(graph: bytes):
-            with self.lock:
-                return self.device.session(graph, self._session_options())
-        try:
-            grouped = GroupedCalls(self, sizes, session)
-        except GroupError as err:
-            log.warning("architecture %s: steps of several models run one call per model: %s",
-                        self.architecture.key, err)
-            return
-        except Exception as err:   # onnxruntime's own errors, or no device memory for the stacked weights
-            log.warning("architecture %s: no N-model form (%s); steps of several models run one call per model",
-                        self.architecture.key, short(err))
-            return
-        if grouped.warm(weights):
-            self.grouped = grouped
-            log.info("architecture %s: N-model form at sizes %s: %s ms a call (plain, one model: %s ms)",
-                     self.architecture.key, tuple(grouped.sessions),
-                     ", ".join(f"{grouped.call_s[s] * 1000:.1f}" for s in grouped.sessions),
-                     ", ".join(f"{self.call_s[s] * 1000:.1f}" for s in grouped.sessions if s in self.call_s))
-
-    def prefers_grouped(self, rows: list[int]) -> bool:
-        """Whether a step whose models hold `rows` frames each (several models, all rows one call's worth)
-        runs as one grouped call rather than a call per model: as `inference.mixed_steps` says, or (auto)
-        whichever was measured faster at preparation."""
-        if self.grouped is None:
-            return False
-        size = self.shapes.pad_to(sum(rows))
-        if size not in self.grouped.sessions:
-            return False
-        if self.mixed == "grouped":
-            return True
-        sub_calls = sum(self.call_s.get(self.shapes.pad_to(n), 0.0) for n in rows)
-        return self.grouped.call_s[size] < sub_calls
-
-    def run_grouped(self, items: list[tuple[SharedRunner, list[Part]]]) -> None:
-        """(The main thread) the parts of several models in one call of the N-model form."""
-        parts = [part for _, part_list in items for part in part_list]
-        weights = [runner.weights for runner, part_list in items for part in part_list for _ in range(len(part.out))]
-        for runner, part_list in items:
-            for part in part_list:
-                check_audio(runner.path, self.io, part.audio, len(part.out))
-        (step,) = self.shapes.plan(len(weights))
-        pieces = self.stage(parts, step)
-        self.grouped.run(step.size, weights)
-        self.count(step.size, len(weights))
-        for part, a, b, at in pieces:
-            self.device.download(self.out[at:at + b - a], part.out[a:b])
-
-    def stage(self, parts: list[Part], step) -> list:
-        """(The main thread) the parts' rows [step.start, step.end) into the staging buffers, padded with
-        zeros to step.size: the avatars' crops made into the visual input on the device, a client's visual
-        input and every audio window copied. The pieces staged: (part, its rows a..b, the call's row)."""
-        device = self.device
-        pieces = list(_pieces(parts, step.start, step.end))
-        rows = step.end - step.start
-        if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
-            # NOTE: zero crops make a zero visual input: padded rows (and rows sent as floats, written over
-            # below) stay harmless zeros
-            host = self.crops_host[:step.size]
-            host[:] = 0
-            for part, a, b, at in pieces:
-                if isinstance(part.visual, VisualFrames):
-                    np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
-            device.upload(self.crops[:step.size], host)
-            device.run(self.crop_session, self.crop_binding(step.size), step.size, graphs=False, model=False)
-        elif step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
-            device.zero(self.visual[rows:step.size])
-        for part, a, b, at in pieces:
-            if not isinstance(part.visual, VisualFrames):
-                frames = part.visual(a, b) if callable(part.visual) else part.visual[a:b]
-                device.upload(self.visual[at:at + b - a], frames)
-            device.upload(self.audio[at:at + b - a], part.audio[a:b])
-        if step.padding:
-            device.zero(self.audio[rows:step.size])
-        return pieces
-
-    def _warm(self, size: int, weights: Weights) -> None:
-        device, session = self.device, self.sessions[size]
-        if self.slot is not None:   # the binding every call uses: captured at these addresses
-            self.load_slot(weights)
-            binding = self.slot_binding(size)
-        else:   # (the staging buffers: no request runs this architecture before it is prepared)
-            binding = session.io_binding()
-            self._bind(binding, weights, size)
-        # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
-        # main thread's replays need their own: `call` captures them there)
-        device.run(session, binding, size, graphs=False)
-        t0 = time.perf_counter()
-        device.run(session, binding, size, graphs=False)
-        self.call_s[size] = time.perf_counter() - t0
-        device.run(self.crop_session, self.crop_binding(size), size, graphs=False, model=False)
-
-    def call(self, size: int, binding) -> None:
-        """(The main thread) one call at `size`. With CUDA graphs its first calls capture, holding the
-        device's lock (the load thread's calls into the device wait meanwhile); a size whose capture fails
-        runs without graphs from then on, this call included."""
-        device, session = self.device, self.sessions[size]
-        if self.slot is None or self.main_runs[size] >= CAPTURE_RUNS:
-            device.run(session, binding, size, graphs=size not in self.plain)
-            return
-        with self.lock.exclusive():
-            try:
-                device.run(session, binding, size, graphs=size not in self.plain)
-            except Exception as err:   # onnxruntime's own errors: a graph it runs but cannot capture
-                if size in self.plain:
-                    raise
-                log.warning("architecture %s: CUDA graph capture at batch %d failed (%s); that size runs without "
-                            "graphs", self.architecture.key, size, short(err))
-                self.plain.add(size)
-                device.run(session, binding, size, graphs=False)
-        self.main_runs[size] += 1
-
-    def count(self, size: int, rows: int) -> None:
-        """(The main thread) a model call at `size` held `rows` frames."""
-        self.calls[size] += 1
-        self.call_rows[rows] += 1
-
-    def call_stats(self) -> dict:
-        """The main thread's model calls: how many each size had, how many held each count of frames (a
-        histogram), the mean frames a call held, the share of their rows that were padding; the steps by
-        kind."""
-        calls, slots = sum(self.calls.values()), sum(size * n for size, n in self.calls.items())
-        frames = sum(rows * n for rows, n in self.call_rows.items())
-        return {"calls_by_size": {str(size): n for size, n in sorted(self.calls.items())},
-                "frames_per_call_histogram": {str(rows): n for rows, n in sorted(self.call_rows.items())},
-                "frames_per_call": round(frames / calls, 2) if calls else 0.0,
-                "padded_share": round(1 - frames / slots, 3) if slots else 0.0, "steps": dict(self.steps)}
-
-    def slot_binding(self, size: int):
-        """(CUDA graphs) the one binding at `size`: the weight slot and the staging buffers, made once."""
-        binding = self._slot_bindings.get(size)
-        if binding is None:
-            binding = self.sessions[size].io_binding()
-            self._bind(binding, self.slot, size)
-            self._slot_bindings[size] = binding
-        return binding
-
-    def load_slot(self, weights: Weights) -> None:
-        """(CUDA graphs) make the slot hold `weights`, unless it does."""
-        if self.slot_owner() is not weights:
-            self.slot.copy_from(weights)
-            self.slot_owner = weakref.ref(weights)
-
-    def _bind(self, binding, weights: Weights, size: int) -> None:
-        device = self.device
-        for name, array in zip(self.architecture.weights, weights.views):
-            device.bind(binding, name, array)
-        device.bind(binding, self.io.visual, self.visual[:size])
-        device.bind(binding, self.io.audio, self.audio[:size])
-        device.bind(binding, self.io.output, self.out[:size], output=True)
-
-    def crop_binding(self, size: int):
-        """The crops graph's binding at `size`: crops[:size] -> visual[:size], made once."""
-        binding = self._crop_bindings.get(size)
-        if binding is None:
-            binding = self.crop_session.io_binding()
-            inputs, outputs = self.crop_session.get_inputs(), self.crop_session.get_outputs()
-            self.device.bind(binding, inputs[0].name, self.crops[:size])
-            self.device.bind(binding, outputs[0].name, self.visual[:size], output=True)
-            self._crop_bindings[size] = binding
-        return binding
-
-    def frames_per_s(self) -> float:
-        """The most frames a second this architecture runs: at its best prepared size, measured."""
-        return max((size / s for size, s in self.call_s.items() if s > 0), default=0.0)
 
 
 class SharedRunner:
@@ -376,18 +82,6 @@ class SharedRunner:
             p.count(step.size, step.end - step.start)
             for part, a, b, at in pieces:
                 p.device.download(p.out[at:at + b - a], part.out[a:b])
-
-
-def _pieces(parts: list[Part], start: int, end: int):
-    """The parts' rows [start, end) of their concatenation: (part, its first row, its end, the row in the
-    call)."""
-    offset = 0
-    for part in parts:
-        n = len(part.out)
-        a, b = max(start - offset, 0), min(end - offset, n)
-        if a < b:
-            yield part, a, b, offset + a - start
-        offset += n
 
 
 class Architectures:

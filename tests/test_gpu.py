@@ -157,7 +157,7 @@ def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_pa
         got = np.empty((3, 3, 320, 320), np.float32)
         runners[k].run(visual, audio, got)
         np.testing.assert_allclose(got, want[k], rtol=0, atol=_atol(device))
-    from gpu_actor.shared import CAPTURE_RUNS
+    from gpu_actor.prepared import CAPTURE_RUNS
     assert not prepared.plain and prepared.main_runs[4] == CAPTURE_RUNS, (prepared.plain, prepared.main_runs)
 
 

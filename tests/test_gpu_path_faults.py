@@ -19,7 +19,8 @@ from gpu_actor.model_builder import write_model
 from gpu_actor.registry import Registry
 from gpu_actor.onnx_sessions import DeviceError, new_session, out_of_memory, session_options
 from gpu_actor.runner import ModelRunner
-from gpu_actor.shared import CAPTURE_RUNS, Architectures
+from gpu_actor.prepared import CAPTURE_RUNS
+from gpu_actor.shared import Architectures
 from tests.helpers import ROOT
 
 MAX_BATCH = 4
