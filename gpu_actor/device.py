@@ -8,8 +8,7 @@ Three devices:
   x86 host, `python -m bench gpu --stand-in 1.0`), one frame per call (gpu_actor/runner.py says why).
 - `CudaDevice` ("cuda:N", gpu_actor/cuda.py): one prepared session per architecture and batch size, each
   model's weights resident on the device and bound per call (gpu_actor/prepared.py, gpu_actor/shared.py),
-  buffers in cupy, the
-  host thread blocking (not spinning) while the GPU works.
+  buffers in cupy, the host thread blocking (not spinning) while the GPU works.
 - `StandInDevice`: the GPU's batching on the CPU provider, for tests and benches where there is no
   GPU. It runs exactly what a CudaDevice runs (shared sessions, prepared sizes, padding, staging copies,
   the audio encoder at prepared sizes, sessions on the calling thread) and stops for `stall_s` on the
