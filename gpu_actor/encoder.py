@@ -130,13 +130,6 @@ class AudioEncoders:
         inputs = A.encoder_inputs(A.melspectrogram(pcm.astype(np.float32) / 32768.0))
         return A.frame_windows(self.of(model).run(inputs))
 
-    def features(self, model: str, utterance: int, first: int, inputs: np.ndarray) -> np.ndarray:
-        """Encoder outputs of a live session's inputs number first, first + 1, ... (`features_many` of one)."""
-        result = self.features_many([(model, utterance, first, inputs)])[0]
-        if isinstance(result, AssetError):
-            raise result
-        return result
-
     def features_many(self, requests: list[tuple[str, object, int, np.ndarray]]) -> list:
         """Each request's (model, utterance, first input's number, inputs) encoder outputs, or the AssetError
         it fails with alone. Consecutive frames share 15 of their 16 window rows: each (utterance, input

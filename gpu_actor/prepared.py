@@ -48,13 +48,11 @@ class Prepared:
                  graphs: bool = False, mixed: str = "auto"):
         self.architecture, self.device = architecture, device
         self.mixed = mixed                  # inference.mixed_steps
-        self._session_options = lambda: session_options(threads, spin)
         self.lock = device.lock
-        options = lambda: session_options(threads, spin)   # noqa: E731 (a device sets its threads in them)
+        self._options = (threads, spin)
 
         def session(graphs: bool):
-            with self.lock:
-                return device.session(architecture.graph, options(), graphs)
+            return self.session(architecture.graph, graphs)
         try:
             first = session(graphs)
         except (DeviceError, MemoryError):
@@ -78,7 +76,7 @@ class Prepared:
         crops_graph = visual_graph().SerializeToString()
         largest = self.shapes.largest
         with self.lock:
-            self.crop_session = device.session(crops_graph, options())
+            self.crop_session = device.session(crops_graph, session_options(*self._options))
             self.visual = device.empty((largest, *VISUAL_SHAPE))
             self.audio = device.empty((largest, *self.io.audio_shape))
             self.out = device.empty((largest, *MOUTH_SHAPE))
@@ -100,6 +98,11 @@ class Prepared:
         self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
         self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), once ready
         self.grouped_tried = False
+
+    def session(self, graph: bytes, graphs: bool = False):
+        """(The load thread, or the one preparing the N-model form) a session of `graph` on the device."""
+        with self.lock:
+            return self.device.session(graph, session_options(*self._options), graphs)
 
     def prepare(self, weights: Weights) -> None:
         """Run every size twice, largest first: the first call pays the device's per-shape preparation
@@ -147,12 +150,8 @@ class Prepared:
         if self.grouped_tried or self.mixed == "sub_calls" or not sizes:
             return
         self.grouped_tried = True
-
-        def session(graph: bytes):
-            with self.lock:
-                return self.device.session(graph, self._session_options())
         try:
-            grouped = GroupedCalls(self, sizes, session)
+            grouped = GroupedCalls(self, sizes, self.session)
         except GroupError as err:
             log.warning("architecture %s: steps of several models run one call per model: %s",
                         self.architecture.key, err)
@@ -193,9 +192,7 @@ class Prepared:
         (step,) = self.shapes.plan(len(weights))
         pieces = self.stage(parts, step)
         self.grouped.run(step.size, weights)
-        self.count(step.size, len(weights))
-        for part, a, b, at in pieces:
-            self.device.download(self.out[at:at + b - a], part.out[a:b])
+        self.unstage(pieces, step)
 
     def stage(self, parts: list[Part], step) -> list:
         """(The main thread) the parts' rows [step.start, step.end) into the staging buffers, padded with
@@ -261,10 +258,13 @@ class Prepared:
                 device.run(session, binding, size, graphs=False)
         self.main_runs[size] += 1
 
-    def count(self, size: int, rows: int) -> None:
-        """(The main thread) a model call at `size` held `rows` frames."""
-        self.calls[size] += 1
-        self.call_rows[rows] += 1
+    def unstage(self, pieces: list, step) -> None:
+        """(The main thread) after a model call at `step`: each staged piece's mouths to its part's `out`,
+        and the call counted (its size, the frames it held)."""
+        for part, a, b, at in pieces:
+            self.device.download(self.out[at:at + b - a], part.out[a:b])
+        self.calls[step.size] += 1
+        self.call_rows[step.end - step.start] += 1
 
     def call_stats(self) -> dict:
         """The main thread's model calls: how many each size had, how many held each count of frames (a

@@ -79,9 +79,7 @@ class SharedRunner:
         for step in p.shapes.plan(sum(len(part.out) for part in parts)):
             pieces = p.stage(parts, step)
             p.call(step.size, self._binding(step.size))
-            p.count(step.size, step.end - step.start)
-            for part, a, b, at in pieces:
-                p.device.download(p.out[at:at + b - a], part.out[a:b])
+            p.unstage(pieces, step)
 
 
 class Architectures:

@@ -76,7 +76,6 @@ class InferenceWorker:
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._stopping = False
-        self._slot_busy = False   # the last `_begin` found no output slot free
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
                           ResetRequests: lambda m: self.outputs.become_writer()}
@@ -232,12 +231,13 @@ class InferenceWorker:
         as its model's call is done. A task whose slot, inputs or run fails fails alone."""
         jobs: list[_Job] = []
         for i, task in enumerate(tasks):
-            job = self._begin(task, wait=not jobs)
-            if job is not None:
-                jobs.append(job)
-            elif self._slot_busy:   # no output slot free now: this task and the rest wait for the next step
+            try:
+                job = self._begin(task, wait=not jobs)
+            except _NoSlotFree:   # this task and the rest wait for the next step
                 self.queue.extendleft(reversed(tasks[i:]))
                 break
+            if job is not None:
+                jobs.append(job)
         jobs = self._audio_inputs(jobs)
         by_model: dict[str, list[_Job]] = {}
         for job in jobs:
@@ -257,10 +257,8 @@ class InferenceWorker:
                       lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
 
     def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
-        """A task's output slot (waited for when `wait`, else only if one is free) and visual input; None
-        when the task is answered already (its deadline passed, its inputs are bad) or no slot is free
-        (`_slot_busy`: the caller puts it back in the queue)."""
-        self._slot_busy = False
+        """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and visual
+        input; None when the task is answered already (its deadline passed, its inputs are bad)."""
         started = time.monotonic()
         queue_ms = (started - task.enqueued) * 1000 if task.enqueued else 0.0
         if task.deadline and started > task.deadline:
@@ -276,8 +274,7 @@ class InferenceWorker:
         else:
             slot = self.outputs.try_acquire(task.req)
             if slot is None:
-                self._slot_busy = True
-                return None
+                raise _NoSlotFree
         t0 = time.perf_counter()
         try:
             out = self.outputs.writable(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
@@ -396,6 +393,10 @@ class InferenceWorker:
             crops.append(crop)
         return VisualFrames(crops, self._visual)
 
+
+
+class _NoSlotFree(Exception):
+    """Every output slot is taken: the task waits for a later step."""
 
 
 @dataclass
