@@ -320,7 +320,7 @@ def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -
         **_settings("jpeg", o.budget_ms), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
         "inference.devices": "cpu" if o.device == "cpu" else [cuda_id(o.device)],
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
-        "metrics.port": metrics_port, **variant_settings(variant)})
+        "metrics.port": metrics_port, "inference.mixed_steps": "auto", **variant_settings(variant)})
 
 
 def _served_name(variant: str, first: str) -> str:

@@ -101,7 +101,7 @@ class InferenceConfig(_Section):
     spin_threads: bool = False
     precision: Literal["fp32", "fp16"] = "fp32"
     cuda_graphs: bool = False
-    mixed_steps: Literal["auto", "grouped", "sub_calls"] = "auto"
+    mixed_steps: Literal["auto", "grouped", "sub_calls"] = "sub_calls"
 
 
 class CompositingConfig(_Section):
