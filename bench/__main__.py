@@ -100,6 +100,9 @@ def main() -> int:
                      help="gpu bench: live PCM levels with each session on an avatar of its own (one architecture, "
                           "other weights; default 48 on a GPU, 2 on the CPU; '' for none)")
     gpu.add_argument("--live-s", type=float, metavar="S", help="seconds per live level (default --seconds)")
+    gpu.add_argument("--speaking-share", type=float, default=0.27, metavar="F",
+                     help="share of the time each session of a live level speaks, 0 to 1 (default 0.27; 1: all "
+                          "speaking all the time)")
     gpu.add_argument("--budget-s", type=float, metavar="S",
                      help="the whole run's seconds, the demo's build included: before each section its cost is "
                           "estimated (from the settings and what the run measured so far) and a section that would "
@@ -114,7 +117,7 @@ def main() -> int:
                                        args.speaking, args.max_models, args.avatars, args.residency_s, args.stand_in,
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
                                        live_s=args.live_s, budget_s=args.budget_s,
-                                       avatar_levels=args.avatar_levels)
+                                       avatar_levels=args.avatar_levels, speaking_share=args.speaking_share)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)

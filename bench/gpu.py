@@ -75,6 +75,7 @@ class GpuBenchOptions:
     pcm_levels: tuple[int, ...] = ()        # live levels, 16 kHz PCM
     avatar_levels: tuple[int, ...] = ()     # live levels, 16 kHz PCM, each session on an avatar of its own
     live_s: float = 8.0                     # per live level
+    speaking_share: float = 0.27            # of each live session's time
     budget_s: Optional[float] = None        # the whole run; None: no limit
 
 
@@ -83,7 +84,8 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             max_models: Optional[int] = None, avatars: Optional[int] = None, residency_s: Optional[float] = None,
             stand_in: Optional[float] = None, budget_ms: int = 280, variants: Optional[tuple[str, ...]] = None,
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
-            budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None) -> GpuBenchOptions:
+            budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None,
+            speaking_share: float = 0.27) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -94,6 +96,8 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
 
     variants = pick(variants, VARIANTS, ("fp32", "fp16") if stand_in is not None else ("fp32",))
     check_variants(variants, gpu or stand_in is not None)
+    if not 0 < speaking_share <= 1:
+        raise ValueError(f"--speaking-share {speaking_share:g}: expected a share of the time, above 0 and at most 1")
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"--budget-s {budget_s:g}: expected the whole run's seconds, > 0")
     return GpuBenchOptions(device, model, pick(max_batch, 32, 4), pick(levels, (16, 48, 96, 150, 200), (1, 2)),
@@ -101,7 +105,8 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3,
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
                            avatar_levels=pick(avatar_levels, (48,), (2,)),
-                           live_s=live_s if live_s is not None else seconds, budget_s=budget_s)
+                           live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
+                           speaking_share=speaking_share)
 
 
 def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
@@ -483,25 +488,26 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
                    demo: Path) -> None:
     """Live levels on the first variant's server: audio windows, then 16 kHz PCM."""
     from config.audio import speech
+    share = f"{o.speaking_share:.0%}"
 
     def levels_s(levels: tuple[int, ...]) -> float:
         return _pays(main, costs) + sum(o.live_s + LEVEL_S + n * 0.02 for n in levels)
 
     if o.levels:
-        r.section("live", f"live sessions on the {o.model} model (1280x720 JPEG q75, 27% speaking, audio windows, "
+        r.section("live", f"live sessions on the {o.model} model (1280x720 JPEG q75, {share} speaking, audio windows, "
                   f"{o.live_s:g} s per level): missed, on time, latency p99, each process's CPU:",
-                  levels_s(o.levels), lambda: live(main.get(), o.levels, o.live_s, port))
+                  levels_s(o.levels), lambda: live(main.get(), o.levels, o.live_s, port, duty=o.speaking_share))
     if o.pcm_levels:
         r.section("live_pcm", f"live sessions speaking 16 kHz PCM on the {o.model} model (20-ms chunks in real time, "
-                  "the avatar's audio encoder in the inference process; 1280x720 JPEG q75, 27% speaking, "
+                  f"the avatar's audio encoder in the inference process; 1280x720 JPEG q75, {share} speaking, "
                   f"{o.live_s:g} s per level):", levels_s(o.pcm_levels),
-                  lambda: live(main.get(), o.pcm_levels, o.live_s, port, speech(PCM_SECONDS)))
+                  lambda: live(main.get(), o.pcm_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share))
     if o.avatar_levels:
         most = max(o.avatar_levels)
         r.section("live_avatars", f"live sessions speaking 16 kHz PCM, each on an avatar of its own ({o.model}, one "
-                  f"architecture, other weights; 20-ms chunks in real time, 27% speaking, {o.live_s:g} s per level):",
+                  f"architecture, other weights; 20-ms chunks in real time, {share} speaking, {o.live_s:g} s per level):",
                   levels_s(o.avatar_levels) + most * (costs.write_s + costs.load_s),
-                  lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS),
+                  lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share,
                                models=tuple(avatar(models, f"v{k:03d}", demo, _written(o.model, 500 + k), encoder=True)
                                             for k in range(most))))
 

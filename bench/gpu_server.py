@@ -194,10 +194,10 @@ def served(srv, model: str, batches: tuple[int, ...], sizes: tuple[int, ...], a:
 # -- live sessions and models ------------------------------------------------------------------------
 
 def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
-         pcm: Optional[np.ndarray] = None, models: tuple[str, ...] = ("avatar",)) -> list[dict]:
+         pcm: Optional[np.ndarray] = None, models: tuple[str, ...] = ("avatar",), duty: float = 0.27) -> list[dict]:
     """bench/sessions.py's speaking levels, session i on models[i % len(models)]: audio windows, one per
     frame period, or with `pcm` (16 kHz int16) that utterance from its start in 20-ms chunks in real time,
-    once per burst."""
+    once per burst; each session speaking `duty` of the time."""
     from bench.sessions import _print, _run_level
     with srv.client(timeout_s=600) as c:   # their loads (and a GPU's warm-up of every shape) are not a level's
         for model in models:
@@ -205,7 +205,7 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
     out = []
     for n in levels:
         before = _calls(srv)
-        r = _run_level(srv, n, seconds, 0.27, pcm, fmt="jpeg", metrics_port=metrics_port, models=models)
+        r = _run_level(srv, n, seconds, duty, pcm, fmt="jpeg", metrics_port=metrics_port, models=models)
         _print(r)
         r["device_calls"] = calls = _calls_between(before, _calls(srv))
         print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call, "

@@ -1,5 +1,5 @@
 """The model's contract, defined once: tensor shapes, SyncTalk_2D's crop geometry, the mouth's uint8
-quantization, model ids, and how a slot lays out a batch's inputs.
+quantization, model ids, and how a request's slots lay out a batch's inputs.
 
     visual [B, 6, 320, 320] float32   unmasked face crop (BGR / 255), then the masked one, CHW
     audio  [B, *A] float32            A read from the model file ([32, 16, 16] for "ave" features)
@@ -37,7 +37,14 @@ def audio_offset(visual_bytes: int) -> int:
 
 
 def input_slot_bytes(max_batch: int, max_audio_elements: int) -> int:
+    """The input room of a request of `max_batch` frames: its visual input, then its audio."""
     return audio_offset(max_batch * VISUAL_BYTES) + max_batch * max_audio_elements * 4
+
+
+def input_page_bytes(max_audio_elements: int) -> int:
+    """One frame's input room: an input ring's slot (a request takes as many adjacent ones as it needs;
+    a live session's, whose visual input is built by the worker, one)."""
+    return VISUAL_BYTES + max_audio_elements * 4
 
 
 def mouths_to_uint8(mouths: np.ndarray) -> np.ndarray:

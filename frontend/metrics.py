@@ -38,7 +38,7 @@ class Metrics:
         self.load_ms = Histogram("lipsync_model_load_ms", "Model load latency", buckets=_MS, registry=r)
         self.store = Counter("lipsync_background_cache", "Background store lookups by model and result",
                              ["model", "result"], registry=r)
-        self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots in use per inference worker",
+        self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots (one frame's room each) in use per inference worker",
                                   ["worker"], registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
         self.sessions_open = Gauge("lipsync_sessions_open", "Live sessions open", registry=r)

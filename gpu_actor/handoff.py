@@ -9,6 +9,7 @@ from typing import Callable
 
 import zmq
 
+from config.geometry import MOUTH_BYTES
 from shm.messages import CompositeTask, InferTask, pack, unpack
 from shm.ring import SlotRing, TensorRef
 
@@ -25,13 +26,15 @@ def route(handlers: dict[type, Callable[[object], None]], msg: object, who: str)
     handler(msg)
 
 
-def acquire_slot(outputs: SlotRing, req: int, timeout_s: float, tasks: zmq.Socket, handle: Callable[[object], None]) -> int:
-    """An output slot for request `req`. While every slot is taken, the worker keeps handling its task
-    socket's messages (`handle`): a ReleaseTask frees one. RingError past `timeout_s`."""
+def acquire_slot(outputs: SlotRing, req: int, frames: int, timeout_s: float, tasks: zmq.Socket,
+                 handle: Callable[[object], None]) -> int:
+    """The first of the output slots (one frame's mouths each) of request `req`'s `frames`. While they
+    are taken, the worker keeps handling its task socket's messages (`handle`): a ReleaseTask frees some.
+    RingError past `timeout_s`."""
     def wait(remaining_s: float) -> None:
         if tasks.poll(int(remaining_s * 1000) + 1):
             handle(unpack(tasks.recv()))
-    return outputs.acquire(req, timeout_s=timeout_s, wait=wait)
+    return outputs.acquire(req, timeout_s=timeout_s, wait=wait, count=outputs.slots_for(frames * MOUTH_BYTES))
 
 
 def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:

@@ -291,7 +291,7 @@ class RemoteWorker:
             return
         mouths = np.frombuffer(data[0].buffer, np.uint8 if size == elements else "<f4")
         try:
-            slot = acquire_slot(self.outputs, task.req, 5.0, self.tasks, self._from_frontend)
+            slot = acquire_slot(self.outputs, task.req, task.batch, 5.0, self.tasks, self._from_frontend)
         except RingError as err:
             self._done(task.req, ErrorCode.TIMEOUT, str(err))
             return

@@ -22,7 +22,7 @@ import zmq
 from config import Config
 from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
-from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
+from config.geometry import MOUTH_BYTES, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, route
@@ -266,13 +266,13 @@ class InferenceWorker:
             return None
         if wait:
             try:
-                slot = acquire_slot(self.outputs, task.req,
+                slot = acquire_slot(self.outputs, task.req, task.batch,
                                     max(task.deadline - started, 0.001) if task.deadline else 30, self.tasks, self._handle)
             except RingError as err:
                 self._done(task, "timeout", str(err))
                 return None
         else:
-            slot = self.outputs.try_acquire(task.req)
+            slot = self.outputs.try_acquire(task.req, self.outputs.slots_for(task.batch * MOUTH_BYTES))
             if slot is None:
                 raise _NoSlotFree
         t0 = time.perf_counter()

@@ -17,6 +17,11 @@ Slot states (kept by the ring's one writer; the generation's parity mirrors them
     FREE --acquire(request)--> WRITING --publish: send a TensorRef--> PUBLISHED --release--> FREE
      gen even                 gen += 1 (odd)                          readers read        gen += 1
 
+A request holds an *extent*: one slot, or a run of adjacent slots taken and freed together, so a
+ring whose slots are one frame's room gives a request of 1 frame 1 slot and one of 32 frames 32 (the
+input and output rings of inference workers, config.geometry). A handle names the extent's first slot
+and may reach past that slot's end into the rest of the extent.
+
 A `TensorRef` (ring, slot, generation, offset, dtype, shape) is all a ZeroMQ message carries.
 A reader checks the generation before it hands out a view and again (`verify`) after it has used
 the bytes, so a stale handle raises `StaleHandle` and never yields another request's data.
@@ -66,6 +71,14 @@ class RingSpec(msgspec.Struct, frozen=True, array_like=True):
     def for_bytes(cls, name: str, n_slots: int, min_slot_bytes: int) -> "RingSpec":
         return cls(name, n_slots, _align(max(min_slot_bytes, 1)))
 
+    @classmethod
+    def in_pages(cls, name: str, largest: int, largest_bytes: int, page_bytes: int) -> "RingSpec":
+        """A ring of `page_bytes` slots with room for `largest` extents of `largest_bytes` each: a request
+        takes as many adjacent slots as its bytes need, so many small requests share the room of a few
+        large ones."""
+        page = _align(max(page_bytes, 1))
+        return cls(name, max(-(-largest * largest_bytes // page), 1), page)
+
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     """A handle to one tensor inside a ring slot; valid while the slot's generation holds."""
@@ -114,9 +127,11 @@ class SlotRing:
         self._gen = np.ndarray((n,), dtype="<u8", buffer=buf, offset=_TABLE_OFFSET)
         self._req = np.ndarray((n,), dtype="<u8", buffer=buf, offset=_TABLE_OFFSET + 8 * n)
         self._data = np.ndarray((n, slot_bytes), dtype=np.uint8, buffer=buf, offset=data_offset)
+        self._flat = self._data.reshape(-1)
         # Writer-side bookkeeping; empty in processes that only read.
         self._state: list[SlotState] = []
-        self._by_request: dict[int, list[int]] = {}
+        self._extent: dict[int, int] = {}             # first slot of an extent -> its slots
+        self._by_request: dict[int, list[int]] = {}   # request -> the first slots of its extents
         self._cursor = 0
 
     # -- creation and attachment ------------------------------------------------------------
@@ -143,7 +158,7 @@ class SlotRing:
         return self._data
 
     def close(self, unlink: bool = False) -> None:
-        self._gen = self._req = self._data = None  # drop views before the mapping
+        self._gen = self._req = self._data = self._flat = None  # drop views before the mapping
         self._segment.close()
         if unlink:
             self._segment.unlink()
@@ -157,56 +172,83 @@ class SlotRing:
                 self._gen[slot] += 1
                 self._req[slot] = 0
         self._state = [SlotState.FREE] * self.spec.n_slots
+        self._extent.clear()
         self._by_request.clear()
         self._cursor = 0
 
-    def try_acquire(self, request_id: int) -> Optional[int]:
-        """A free slot for `request_id` (now WRITING), or None when every slot is in use."""
+    def slots_for(self, nbytes: int) -> int:
+        """How many adjacent slots `nbytes` take (at least one)."""
+        return max(-(-nbytes // self.spec.slot_bytes), 1)
+
+    def try_acquire(self, request_id: int, count: int = 1) -> Optional[int]:
+        """The first of `count` adjacent free slots for `request_id` (now WRITING), or None when no such
+        run is free."""
         n = self.spec.n_slots
-        # Round-robin from the last slot handed out: a released slot is reused as late as possible,
-        # which gives a slow reader of a stale handle the most time to notice.
-        slot = next((s % n for s in range(self._cursor, self._cursor + n) if self._state[s % n] is SlotState.FREE), None)
-        if slot is None:
+        if not 1 <= count <= n:
             return None
-        self._cursor = slot + 1
-        self._gen[slot] += 1
-        self._req[slot] = request_id
-        self._state[slot] = SlotState.WRITING
-        self._by_request.setdefault(request_id, []).append(slot)
-        return slot
+        # Round-robin from the last extent handed out: a released slot is reused as late as possible,
+        # which gives a slow reader of a stale handle the most time to notice; requests end roughly in
+        # the order they came, so the free slots stay mostly one run.
+        state, start, tried = self._state, self._cursor % n, 0
+        while tried < n:
+            if start + count > n:   # an extent does not wrap around the ring's end
+                tried += n - start
+                start = 0
+                continue
+            busy = next((s for s in range(start + count - 1, start - 1, -1) if state[s] is not SlotState.FREE), None)
+            if busy is None:
+                break
+            tried += busy + 1 - start
+            start = (busy + 1) % n
+        else:
+            return None
+        self._cursor = start + count
+        for slot in range(start, start + count):
+            self._gen[slot] += 1
+            self._req[slot] = request_id
+            state[slot] = SlotState.WRITING
+        self._extent[start] = count
+        self._by_request.setdefault(request_id, []).append(start)
+        return start
 
     def acquire(self, request_id: int, timeout_s: float, wait: Callable[[float], None],
-                setting: str = "shm.slots") -> int:
-        """Acquire a slot, calling `wait(remaining_s)` (which should process release messages)
-        until one frees up; raise `RingFull` naming `setting` after `timeout_s`."""
+                setting: str = "shm.slots", count: int = 1) -> int:
+        """Acquire `count` adjacent slots, calling `wait(remaining_s)` (which should process release
+        messages) until they free up; raise `RingFull` naming `setting` after `timeout_s`."""
+        if count > self.spec.n_slots:
+            raise RingFull(f"ring {self.spec.name}: {count} slots asked for, the ring has {self.spec.n_slots}; "
+                           f"raise {setting}")
         deadline = time.monotonic() + timeout_s
-        while (slot := self.try_acquire(request_id)) is None:
+        while (slot := self.try_acquire(request_id, count)) is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RingFull(
-                    f"ring {self.spec.name}: all {self.spec.n_slots} slots stayed in use for {timeout_s:.3g}s; "
-                    f"raise {setting} or lower the number of requests in flight")
+                    f"ring {self.spec.name}: {count} adjacent of {self.spec.n_slots} slots did not come free in "
+                    f"{timeout_s:.3g}s; raise {setting} or lower the number of requests in flight")
             wait(remaining)
         return slot
 
     def writable(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A writable array inside a slot this writer holds."""
-        if not self._state or self._state[slot] is SlotState.FREE:
+        """A writable array inside an extent this writer holds (`slot`: its first)."""
+        if not self._state or self._state[slot] is SlotState.FREE or slot not in self._extent:
             raise RingError(f"ring {self.spec.name}: slot {slot} is not held by this writer")
-        return self._view(slot, offset, dtype, shape)
+        return self._view(slot, offset, dtype, shape, self._extent[slot])
 
     def ref(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> TensorRef:
         """Publish: the handle that a message carries to a reader."""
-        self._state[slot] = SlotState.PUBLISHED
+        for s in range(slot, slot + self._extent.get(slot, 1)):
+            self._state[s] = SlotState.PUBLISHED
         return TensorRef(self.spec.name, slot, int(self._gen[slot]), offset, str(np.dtype(dtype)), tuple(shape))
 
     def release(self, slot: int) -> None:
-        if not self._state or self._state[slot] is SlotState.FREE:
+        """Free the extent that starts at `slot`."""
+        if not self._state or self._state[slot] is SlotState.FREE or slot not in self._extent:
             return
-        self._gen[slot] += 1
         request_id = int(self._req[slot])
-        self._req[slot] = 0
-        self._state[slot] = SlotState.FREE
+        for s in range(slot, slot + self._extent.pop(slot)):
+            self._gen[s] += 1
+            self._req[s] = 0
+            self._state[s] = SlotState.FREE
         slots = self._by_request.get(request_id, [])
         if slot in slots:
             slots.remove(slot)
@@ -219,6 +261,11 @@ class SlotRing:
         for slot in slots:
             self.release(slot)
         return len(slots)
+
+    def held(self, request_id: int) -> Optional[int]:
+        """The first slot of the extent `request_id` holds (its first, where it holds several)."""
+        extents = self._by_request.get(request_id)
+        return extents[0] if extents else None
 
     def slots_in_use(self) -> int:
         return sum(state is not SlotState.FREE for state in self._state)
@@ -246,13 +293,19 @@ class SlotRing:
                 f"ring {ref.ring} slot {ref.slot}: handle generation {ref.generation}, slot is at {current} "
                 "(released or reused: the request timed out or was cancelled)")
 
-    def _view(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        if not 0 <= slot < self.spec.n_slots:
-            raise RingError(f"ring {self.spec.name}: slot {slot} out of range 0..{self.spec.n_slots - 1}")
+    def _view(self, slot: int, offset: int, dtype: str, shape: tuple[int, ...],
+              count: Optional[int] = None) -> np.ndarray:
+        """The bytes of a tensor at `offset` into the extent that starts at `slot`: its `count` slots
+        (a reader, which does not know the extent, is held to the ring's end)."""
+        n = self.spec.n_slots
+        if not 0 <= slot < n:
+            raise RingError(f"ring {self.spec.name}: slot {slot} out of range 0..{n - 1}")
         dt = np.dtype(dtype)
         nbytes = dt.itemsize * int(np.prod(shape, dtype=np.int64))
-        if offset < 0 or offset + nbytes > self.spec.slot_bytes:
+        room = (count if count is not None else n - slot) * self.spec.slot_bytes
+        if offset < 0 or offset + nbytes > room:
             raise RingError(
-                f"ring {self.spec.name}: {nbytes} bytes at offset {offset} do not fit a slot of "
-                f"{self.spec.slot_bytes} bytes (raise limits.max_batch or limits.max_audio_elements?)")
-        return self._data[slot, offset:offset + nbytes].view(dt).reshape(shape)
+                f"ring {self.spec.name}: {nbytes} bytes at offset {offset} do not fit {room} bytes held "
+                f"({self.spec.slot_bytes} a slot; raise limits.max_batch or limits.max_audio_elements?)")
+        start = slot * self.spec.slot_bytes + offset
+        return self._flat[start:start + nbytes].view(dt).reshape(shape)

@@ -30,7 +30,7 @@ from typing import Optional
 import zmq
 
 from config import Config, resolve_path
-from config.geometry import MOUTH_BYTES, input_slot_bytes
+from config.geometry import MOUTH_BYTES, input_page_bytes, input_slot_bytes
 from shm.child import EXIT_PERMANENT
 from shm.codes import ProcState
 from shm.endpoints import Endpoints, RunSpec, make_socket
@@ -171,10 +171,14 @@ class Supervisor:
         devices = resolve_devices(cfg, self.role)
         prefix = run_prefix(cfg.shm.prefix)
         lim = cfg.limits
+        # NOTE: slots of one frame's room: a request takes as many as its frames need, so a worker holds
+        # shm.slots requests of limits.max_batch frames in flight, or that many times more of one frame
+        # each (a live session's), which its steps then run together.
         in_bytes = input_slot_bytes(lim.max_batch, lim.max_audio_elements)
-        out_bytes = lim.max_batch * MOUTH_BYTES
-        inputs = tuple(RingSpec.for_bytes(f"{prefix}-in{i}", cfg.shm.slots, in_bytes) for i in range(len(devices)))
-        outputs = tuple(RingSpec.for_bytes(f"{prefix}-out{i}", cfg.shm.slots, out_bytes) for i in range(len(devices)))
+        in_page = input_page_bytes(lim.max_audio_elements)
+        inputs = tuple(RingSpec.in_pages(f"{prefix}-in{i}", cfg.shm.slots, in_bytes, in_page) for i in range(len(devices)))
+        outputs = tuple(RingSpec.in_pages(f"{prefix}-out{i}", cfg.shm.slots, lim.max_batch * MOUTH_BYTES, MOUTH_BYTES)
+                        for i in range(len(devices)))
         # NOTE: created unpopulated, and populated once the children are spawned (_populate_rings): the
         # page faults (0.4 s for the default 540 MB) then run beside the children's start, not before it.
         for spec in inputs + outputs:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.core.scheduler import (CLIENT_GONE, KEEP_SLACK, Dispatch, Fail, FreeInput, Kind, FreeImages, ReleaseOutput, Done,
-                             Request, ResetInputs, Scheduler, SendWorker)
+from frontend.core.scheduler import (CLIENT_GONE, KEEP_SLACK, CountedRoom, Dispatch, Fail, Kind, FreeImages, ReleaseOutput,
+                                     Done, Request, Scheduler, SendWorker)
 from shm.codes import ErrorCode, ModelEventKind, ProcState
 from shm.messages import CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsReport
 
 
 def engine(workers: int = 1, compositors: int = 2, slots: int = 2, queue_depth: int = 4) -> Scheduler:
-    e = Scheduler([f"cpu{i}" for i in range(workers)], compositors, slots, queue_depth)
+    e = Scheduler([f"cpu{i}" for i in range(workers)], compositors, CountedRoom(slots), queue_depth)
     for i in range(workers):
         assert e.process_event("gpu", i, ProcState.READY, pid=100 + i) == []
         e.model_event(ModelEvent(worker=i, model="m", event=ModelEventKind.LOADED))
@@ -31,7 +31,7 @@ def ends(actions) -> list:
 
 def held(e: Scheduler) -> dict:
     """What the engine still holds for anyone: must be nothing once every request has ended."""
-    return {"requests": len(e.table), "slots": sum(w.slots - w.free_slots for w in e.workers),
+    return {"requests": len(e.table), "slots": sum(w.holding for w in e.workers) + sum(map(len, getattr(e.room, "held", {}).values())),
             "active": sum(len(w.active) for w in e.workers) + sum(len(c.active) for c in e.compositors),
             "queued": sum(len(w.queue) for w in e.workers), "connections": e.table.connections()}
 
@@ -50,7 +50,7 @@ def test_composite_done_replies_once_and_frees_input_output_and_compositors():
     (d,) = of(actions, Dispatch)
     assert [(c.compositor, c.start, c.end) for c in d.plan] == [(0, 0, 2), (1, 2, 4)] or len(d.plan) == 2
     actions = e.infer_done(InferDone(req=r.req, worker=0, ok=True, queue_ms=1.0, inference_ms=2.0))
-    assert of(actions, FreeInput) == [FreeInput(0, r.req)] and not ends(actions)
+    assert e.room.held[0] == set() and not ends(actions), "the input freed once inferred"
     for chunk in d.plan:
         actions = e.composite_done(CompositeDone(req=r.req, compositor=chunk.compositor, start=chunk.start,
                                                  end=chunk.end, ok=True, width=8, height=6), [b"x"] * 2)
@@ -64,7 +64,7 @@ def test_infer_reply_is_built_before_its_output_slot_is_released():
     e = engine()
     r, _ = submit(e, Kind.INFER)
     actions = e.infer_done(InferDone(req=r.req, worker=0, ok=True, output=None))
-    assert [type(a) for a in actions][:3] == [FreeInput, Done, ReleaseOutput]
+    assert [type(a) for a in actions][:2] == [Done, ReleaseOutput]
     assert held(e) == NOTHING
 
 
@@ -99,9 +99,9 @@ def test_every_end_of_a_running_composite_frees_exactly_what_it_held(end):
                 "shell_fails": ErrorCode.INTERNAL}[end]
     assert fail.code == expected
     if end == "worker_dies":
-        assert of(actions, ResetInputs) == [ResetInputs(0)]   # its slots died with it
+        assert 0 not in e.room.held   # its slots died with it
     elif end in ("deadline", "client_gone", "shutdown", "shell_fails"):
-        assert FreeInput(0, r.req) in actions and ReleaseOutput(0, r.req) in actions
+        assert r.req not in e.room.held[0] and ReleaseOutput(0, r.req) in actions
     else:
         assert ReleaseOutput(0, r.req) in actions
     assert held(e) == NOTHING
@@ -179,7 +179,7 @@ def test_a_failed_cold_load_fails_the_requests_waiting_for_it():
 
 
 def test_no_ready_worker_or_compositor_is_unavailable():
-    e = Scheduler(["cpu"], 1, 1, 4)
+    e = Scheduler(["cpu"], 1, CountedRoom(1), 4)
     _, actions = submit(e)
     assert ends(actions)[0].code is ErrorCode.UNAVAILABLE and "worker 0 (cpu) is starting" in ends(actions)[0].message
     e.process_event("gpu", 0, ProcState.READY, pid=1)
@@ -242,7 +242,7 @@ def test_readiness_in_every_state():
     from frontend.probes import SERVING, readiness
 
     def worker(i, state, restarts=0, device="remote:tcp://gpu:5570"):
-        return WorkerState(i, device, 1, state=state, restarts=restarts)
+        return WorkerState(i, device, state=state, restarts=restarts)
 
     R, S, U, V = ProcState.READY, ProcState.STARTING, ProcState.UNREACHABLE, ProcState.VACANT
     ready_cpu = [CompositorState(state=R)]
@@ -317,3 +317,51 @@ def test_h264_speech_goes_to_the_least_busy_compositor_when_its_sessions_is_far_
     r = Request(Kind.COMPOSITE, "m", 2, deadline=100.0, conn="c1", keep=[("s0", 3, 0), ("s1", 9, 1)])
     (d,) = of(e.submit(r, now=0.0), Dispatch)
     assert [(c.compositor, c.start, c.end, c.keep) for c in d.plan] == [(1, 0, 1, None), (1, 1, 2, [("s1", 9)])]
+
+
+def test_requests_hold_the_input_room_their_inputs_take_and_the_most_urgent_waits_first(shm_name):
+    """With the shell's rings (room = the slots a request's inputs take), one-frame requests fill the room
+    of a large one, and a request that does not fit holds back the less urgent ones behind it."""
+    import numpy as np
+
+    from config.geometry import VISUAL_BYTES
+    from frontend.core.request import Inputs
+    from frontend.core.slots import RingRoom
+    from shm.ring import RingSpec, SlotRing
+
+    ring = SlotRing.create(RingSpec.in_pages(shm_name, 1, 4 * VISUAL_BYTES + 4096, VISUAL_BYTES))
+    ring.become_writer()
+    try:
+        e = Scheduler(["cpu0"], 1, RingRoom([ring], 16), 16)
+        e.process_event("gpu", 0, ProcState.READY, pid=100)
+        e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.LOADED))
+        e.process_event("cpu", 0, ProcState.READY, pid=200)
+
+        def request(batch: int, visual: bool, deadline: float) -> Request:
+            audio = np.zeros((batch, 4), np.float32).tobytes()
+            inputs = Inputs("m", 1, list(range(batch)), audio, "windows", (4,),
+                            visual=b"\0" * (batch * VISUAL_BYTES) if visual else None)
+            return Request(Kind.INFER, "m", batch, deadline=deadline, conn="c1", inputs=inputs)
+
+        small = [request(2, False, 10.0 + i) for i in range(5)]   # no visual input: one slot each
+        dispatched = [a.request for r in small for a in of(e.submit(r, now=0.0), Dispatch)]
+        assert dispatched == small and ring.slots_in_use() == 5, "five requests in the room of one of 4 frames"
+        big = request(4, True, 20.0)      # needs every slot: waits
+        later = request(1, False, 30.0)   # would fit, but is less urgent than the big one
+        assert not of(e.submit(big, now=0.0), Dispatch) and not of(e.submit(later, now=0.0), Dispatch)
+        for r in small[:4]:
+            assert not of(e.infer_done(InferDone(req=r.req, worker=0, ok=True)), Dispatch)
+        actions = e.infer_done(InferDone(req=small[4].req, worker=0, ok=True))
+        assert [a.request for a in of(actions, Dispatch)] == [big] and ring.held(big.req) == 0
+        assert [a.request for a in of(e.infer_done(InferDone(req=big.req, worker=0, ok=True)), Dispatch)] == [later]
+
+        # Frames in flight are bounded too (the output ring's): small inputs do not let a burst past it.
+        room = RingRoom([ring], 3)
+        room.reset(0)
+        first, second = request(2, False, 1.0), request(2, False, 2.0)
+        first.req, second.req = 101, 102
+        assert room.take(0, first) and not room.take(0, second)
+        room.free(0, first.req)
+        assert room.take(0, second) and ring.slots_in_use() == 1
+    finally:
+        ring.close(unlink=True)

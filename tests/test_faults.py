@@ -36,6 +36,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
+    # (a worker holds limits.max_batch (8) frames in flight per shm.slots)
     cfg = base_config(models, **{"limits.queue_depth": 2, "shm.slots": 1, "metrics.port": free_port()})
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
         srv.metrics_port = cfg["metrics"]["port"]
@@ -44,13 +45,13 @@ def server(models, tmp_path_factory):
         yield srv
 
 
-async def _burst(endpoint: str, n: int, model: str = "slow", **kw) -> list:
+async def _burst(endpoint: str, n: int, model: str = "slow", audio: np.ndarray = AUDIO, **kw) -> list:
     """n concurrent requests; each result is a header dict or the ServerError / ClientTimeout raised."""
     async with AsyncClient(endpoint, timeout_s=60) as client:
         async def one(k):
             t0 = time.monotonic()
             try:
-                header, _ = await client.composite(model, AUDIO, start_frame=k, **kw)
+                header, _ = await client.composite(model, audio, start_frame=k, **kw)
                 return header, time.monotonic() - t0
             except (ServerError, ClientTimeout) as err:
                 return err, time.monotonic() - t0
@@ -74,8 +75,9 @@ def _codes(results) -> list[str]:
 
 
 def test_full_queue_answers_overloaded_at_once(server):
-    # One slot in flight + a queue of 2: of 8 at once, 5 must be refused immediately.
-    results = asyncio.run(_burst(server.endpoint, 8))
+    # One request of limits.max_batch frames in flight + a queue of 2: of 8 at once, 5 must be refused
+    # immediately.
+    results = asyncio.run(_burst(server.endpoint, 8, audio=np.zeros((8, 32, 16, 16), np.float32)))
     codes = _codes(results)
     assert codes.count("overloaded") == 5 and codes.count("ok") == 3, codes
     refused = [t for r, t in results if getattr(r, "code", None) == "overloaded"]

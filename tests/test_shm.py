@@ -101,6 +101,42 @@ def test_view_outside_slot_names_the_limit(ring):
         ring.writable(slot, 0, "float32", (ring.spec.slot_bytes // 4 + 1,))
 
 
+def test_a_request_takes_adjacent_slots_as_one_extent_freed_together(shm_name):
+    ring = SlotRing.create(RingSpec.in_pages(shm_name, 2, 3 * 4096, 4096))   # room for 2 requests of 3 slots
+    ring.become_writer()
+    reader = SlotRing.attach(ring.spec)
+    try:
+        assert ring.spec.n_slots == 6 and ring.slots_for(2 * 4096 + 1) == 3 and ring.slots_for(0) == 1
+        small = [ring.try_acquire(request_id=i, count=1) for i in (1, 2)]
+        big = ring.try_acquire(request_id=3, count=3)
+        assert small == [0, 1] and big == 2
+        data = np.arange(3 * 1024, dtype=np.float32)   # 12 KiB: past the first slot into the next two
+        ring.writable(big, 0, "float32", data.shape)[...] = data
+        ref = ring.ref(big, 0, "float32", data.shape)
+        np.testing.assert_array_equal(reader.read(ref), data)
+        assert [ring.state(s) for s in (2, 3, 4)] == [SlotState.PUBLISHED] * 3
+        with pytest.raises(Exception, match="do not fit"):   # a writer stays inside its extent
+            ring.writable(big, 0, "float32", (3 * 1024 + 1,))
+        assert ring.try_acquire(request_id=4, count=2) is None   # slot 5 alone: an extent does not wrap
+        assert ring.release_request(3) == 1 and ring.slots_in_use() == 2
+        with pytest.raises(StaleHandle):
+            reader.read(ref)
+        assert (ring.try_acquire(request_id=8), ring.try_acquire(request_id=9)) == (5, 2)   # round-robin
+        assert ring.try_acquire(request_id=5, count=2) == 3   # reuses slots 3-4, not the extent's first
+        with pytest.raises(StaleHandle):
+            reader.read(ref)
+        for request in (1, 8, 9):
+            ring.release_request(request)
+        assert ring.try_acquire(request_id=6, count=2) is None   # free: 0, 2, 5, none adjacent
+        ring.release_request(2)
+        assert ring.try_acquire(request_id=6, count=3) == 0
+        with pytest.raises(RingFull, match=r"7 slots asked for, the ring has 6"):
+            ring.acquire(7, timeout_s=0, wait=lambda _: None, count=7)
+    finally:
+        reader.close()
+        ring.close(unlink=True)
+
+
 def test_restarted_writer_frees_slots_and_invalidates_handles(ring):
     slot = ring.try_acquire(request_id=5)
     ref = ring.ref(slot, 0, "uint8", (1,))

@@ -28,7 +28,9 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     root = tmp_path / "models"
     for seed, model in enumerate(("a", "b")):
         make_avatar(root, model, kind="tiny", seed=seed)
-    cfg = base_config(root, **{"limits.max_batch": 8, "limits.queue_depth": 16, "shm.slots": REQUESTS,
+    # NOTE: shm.slots 1: the rings hold one request of max_batch (8) frames, or 8 of one frame each, all in
+    # flight at once (a request takes the slots its frames need)
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "limits.queue_depth": 16, "shm.slots": 1,
                                "inference.mixed_steps": mixed})
     rng = np.random.default_rng(7)
     work = [("ab"[k % 3 == 2], rng.random((1, 6, 320, 320), np.float32),

@@ -14,7 +14,7 @@ from typing import Any, Hashable, Optional, Protocol, Union
 import numpy as np
 
 from config.audio import ENCODER_INPUT_SHAPE
-from config.geometry import VISUAL_SHAPE
+from config.geometry import VISUAL_BYTES, VISUAL_SHAPE, audio_offset
 from shm.codes import ErrorCode
 
 
@@ -48,6 +48,12 @@ class Inputs:
     quality: int = 0
     enqueued: float = 0.0          # time.monotonic() when it arrived
     due: float = 0.0               # a live session's speech: when its first frame must go out (0: none)
+
+    def nbytes(self, batch: int) -> int:
+        """The room it takes in the worker's input slots: the visual input, then the audio at its
+        alignment, as `arrays` gives them (core/slots.write_inputs)."""
+        audio = batch * int(np.prod(self.window)) * 4 if self.layout == "window" else memoryview(self.audio).nbytes
+        return (0 if self.visual is None else audio_offset(batch * VISUAL_BYTES)) + audio
 
     def arrays(self, batch: int) -> tuple[Optional[np.ndarray], np.ndarray, Optional[tuple[int, ...]]]:
         """(visual, audio, the shape to broadcast audio to) as the input slot takes them."""

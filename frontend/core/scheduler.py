@@ -8,7 +8,7 @@ routing, slot accounting, queues, chunk plans, gathering, deadlines and death ha
 
 A request's states:
 
-    QUEUED --a free input slot, its model loaded on the worker--> RUNNING (Dispatch)
+    QUEUED --room in the worker's input ring, its model loaded on the worker--> RUNNING (Dispatch)
     RUNNING --InferDone--> COMPOSITING (composite) | done (infer)
     COMPOSITING --every chunk's CompositeDone--> done
     GATHERING (load, unload, stats: waits for each asked worker's answer) --> done
@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Optional, Union
+from typing import Hashable, Iterator, Optional, Protocol, Union
 
 from frontend.core.request import CLIENT_GONE, Kind, Request, State
 from shm.codes import ErrorCode, ModelEventKind, ProcState
@@ -42,7 +42,7 @@ HOST_STATES = (ProcState.UNREACHABLE, ProcState.STARTING, ProcState.VACANT, Proc
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Acquire an input slot of `worker` for the request, write its inputs, send the InferTask."""
+    """Write the request's inputs into the input room it holds at `worker`, send the InferTask."""
     request: Request
     worker: int
     plan: list[Chunk]
@@ -62,12 +62,6 @@ class SendWorker:
 
 
 @dataclass(frozen=True)
-class FreeInput:
-    worker: int
-    req: int
-
-
-@dataclass(frozen=True)
 class ReleaseOutput:
     """Tell the worker to free the request's output slot (ReleaseTask)."""
     worker: int
@@ -78,12 +72,6 @@ class ReleaseOutput:
 class FreeImages:
     compositor: int
     req: int
-
-
-@dataclass(frozen=True)
-class ResetInputs:
-    """The worker died: every input slot the engine gave out for it is free again (become_writer)."""
-    worker: int
 
 
 @dataclass(frozen=True)
@@ -100,7 +88,43 @@ class Fail:
     message: str
 
 
-Action = Union[Dispatch, Render, SendWorker, FreeInput, ReleaseOutput, FreeImages, ResetInputs, Done, Fail]
+Action = Union[Dispatch, Render, SendWorker, ReleaseOutput, FreeImages, Done, Fail]
+
+
+class Room(Protocol):
+    """Where a worker's dispatched requests hold their inputs: taken when the engine dispatches, freed
+    the moment it no longer needs them, so the same pump can give the room to the next request. The
+    shells' is their input rings (core/slots.RingRoom); `CountedRoom` is the engine's own."""
+
+    def take(self, worker: int, r: Request) -> bool:
+        """Hold the room `r`'s inputs take in `worker`'s inputs now; False when it is not free."""
+
+    def free(self, worker: int, req: int) -> None:
+        """The request's inputs are no longer needed (the worker answered, or the request ended)."""
+
+    def reset(self, worker: int) -> None:
+        """The worker died: all of its room is free (a new worker reads none of it)."""
+
+
+class CountedRoom:
+    """`slots` requests per worker, whatever their size (the engine without shared memory)."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.held: dict[int, set[int]] = {}
+
+    def take(self, worker: int, r: Request) -> bool:
+        held = self.held.setdefault(worker, set())
+        if len(held) >= self.slots:
+            return False
+        held.add(r.req)
+        return True
+
+    def free(self, worker: int, req: int) -> None:
+        self.held.get(worker, set()).discard(req)
+
+    def reset(self, worker: int) -> None:
+        self.held.pop(worker, None)
 
 
 # -- state ---------------------------------------------------------------------------------------
@@ -109,18 +133,14 @@ Action = Union[Dispatch, Render, SendWorker, FreeInput, ReleaseOutput, FreeImage
 class WorkerState:
     index: int
     device: str
-    slots: int
     state: ProcState = ProcState.STARTING
     pid: Optional[int] = None
     restarts: int = 0
-    free_slots: int = 0
-    queue: deque = field(default_factory=deque)    # Requests waiting for a slot or for their model
+    holding: int = 0                               # requests holding room in its input ring
+    queue: deque = field(default_factory=deque)    # Requests waiting for room or for their model
     active: set[int] = field(default_factory=set)  # every request assigned here and not ended
     models: set[str] = field(default_factory=set)  # loaded, as far as its ModelEvents tell
     warming: dict[str, int] = field(default_factory=dict)   # model -> the WARM request loading it
-
-    def __post_init__(self) -> None:
-        self.free_slots = self.slots
 
     @property
     def ready(self) -> bool:
@@ -202,9 +222,11 @@ class RequestTable:
 # -- the scheduler -------------------------------------------------------------------------------
 
 class Scheduler:
-    def __init__(self, devices: list[str], n_compositors: int, slots: int, queue_depth: int,
+    def __init__(self, devices: list[str], n_compositors: int, room: Room, queue_depth: int,
                  routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S):
-        self.workers = [WorkerState(i, d, slots) for i, d in enumerate(devices)]
+        """`room`: where dispatched requests hold their inputs (the shell's input rings)."""
+        self.workers = [WorkerState(i, d) for i, d in enumerate(devices)]
+        self.room = room
         self.compositors = [CompositorState() for _ in range(n_compositors)]
         self.table = RequestTable()
         self.queue_depth, self.routing, self.stats_timeout_s = queue_depth, routing, stats_timeout_s
@@ -285,7 +307,7 @@ class Scheduler:
     # -- dispatch -------------------------------------------------------------------------------
 
     def _pump(self, worker: WorkerState) -> list[Action]:
-        """Dispatch queued requests whose model is loaded into free slots; start loads for the others.
+        """Dispatch queued requests whose model is loaded into free room; start loads for the others.
         NOTE: a request for a model still loading holds no slot, so it cannot stall the warm models'
         requests behind it (they pass it in the queue; one model's requests keep their order)."""
         actions: list[Action] = []
@@ -295,18 +317,16 @@ class Scheduler:
         # NOTE: the request due soonest first (a live session's speech before batch work, whose deadline
         # is its timeout); requests due at the same time keep their order.
         for r in sorted(worker.queue, key=_due):
-            if worker.free_slots == 0:
-                break
             if r.model not in worker.models:
                 continue
-            plan: list[Chunk] = []
-            if r.kind is Kind.COMPOSITE:
-                plan = self._plan(r)
-                if not plan:
-                    no_compositor.append(r)
-                    continue
+            if r.kind is Kind.COMPOSITE and not any(c.ready for c in self.compositors):
+                no_compositor.append(r)
+                continue
+            if not self.room.take(worker.index, r):
+                break   # NOTE: the most urgent waits for room first: smaller requests do not pass it
+            plan = self._plan(r) if r.kind is Kind.COMPOSITE else []
             worker.queue.remove(r)
-            worker.free_slots -= 1
+            worker.holding += 1
             r.in_slot = r.dispatched = True
             r.state = State.RUNNING
             actions.append(Dispatch(r, worker.index, plan))
@@ -369,9 +389,10 @@ class Scheduler:
             # The request ended first (deadline, a dead process): its output slot must still be freed.
             return [ReleaseOutput(msg.worker, msg.req)] if 0 <= msg.worker < len(self.workers) else []
         worker = self.workers[msg.worker]
-        actions: list[Action] = [FreeInput(worker.index, r.req)]
+        actions: list[Action] = []
         r.in_slot = False
-        worker.free_slots += 1
+        worker.holding -= 1
+        self.room.free(worker.index, r.req)
         r.timing.update(queue_ms=msg.queue_ms, input_ms=msg.input_ms, inference_ms=msg.inference_ms)
         if not msg.ok:
             actions += self._finish(r, msg.code or ErrorCode.INTERNAL, msg.message)
@@ -466,7 +487,7 @@ class Scheduler:
             if role == "gpu" and state in HOST_STATES and r.worker == index and r.state is State.COMPOSITING:
                 continue   # its mouths came back before its GPU host went: they are composited as usual
             if isinstance(proc, WorkerState) and r.worker == index:
-                # NOTE: its slots died with the worker: ResetInputs frees the inputs, and a new worker
+                # NOTE: its slots died with the worker: the room is reset below, and a new worker
                 # takes its output ring over.
                 r.in_slot = r.dispatched = False
             actions += self._finish(r, ErrorCode.UNAVAILABLE, reason)
@@ -474,8 +495,8 @@ class Scheduler:
         if isinstance(proc, WorkerState):
             proc.models.clear()
             proc.warming.clear()
-            proc.free_slots = proc.slots
-            actions.append(ResetInputs(index))
+            proc.holding = 0
+            self.room.reset(index)
         return actions
 
     # -- ends -----------------------------------------------------------------------------------
@@ -543,8 +564,8 @@ class Scheduler:
                         actions += self._finish(waiting, code, message, pump=False)
             if index == r.worker:
                 if r.in_slot:
-                    worker.free_slots += 1
-                    actions.append(FreeInput(index, r.req))
+                    worker.holding -= 1
+                    self.room.free(index, r.req)
                 if r.dispatched:
                     actions.append(ReleaseOutput(index, r.req))
             if pump:

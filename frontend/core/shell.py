@@ -18,8 +18,7 @@ import time
 from typing import Optional, Sequence
 
 from frontend.core.request import Request
-from frontend.core.scheduler import (Dispatch, Done, Fail, FreeImages, FreeInput, ReleaseOutput, Render, ResetInputs,
-                                     Scheduler, SendWorker)
+from frontend.core.scheduler import Dispatch, Done, Fail, FreeImages, ReleaseOutput, Render, Scheduler, SendWorker
 from frontend.core.slots import write_inputs
 from shm.codes import ErrorCode
 from shm.messages import InferTask, ReleaseTask, pack
@@ -61,12 +60,8 @@ class Shell:
             self.dispatch(action)
         elif isinstance(action, SendWorker):
             self.to_gpu[action.worker].send(pack(action.message))
-        elif isinstance(action, FreeInput):
-            self.input_rings[action.worker].release_request(action.req)
         elif isinstance(action, ReleaseOutput):
             self.to_gpu[action.worker].send(pack(ReleaseTask(req=action.req)))
-        elif isinstance(action, ResetInputs):
-            self.input_rings[action.worker].become_writer()
         elif isinstance(action, FreeImages):
             self.free_images(action.req, [action.compositor])
         elif isinstance(action, Render):
@@ -77,7 +72,7 @@ class Shell:
             self.fail(action)
 
     def dispatch(self, action: Dispatch) -> None:
-        """Write the request's inputs into a slot of its worker's input ring and send the task."""
+        """Write the request's inputs into the slots it holds in its worker's input ring, send the task."""
         r = action.request
         inputs = r.inputs
         visual, audio, shape = inputs.arrays(r.batch)

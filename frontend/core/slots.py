@@ -1,24 +1,58 @@
-"""Writing a request's tensors into an inference worker's input slot, for both shells (the client
-frontend and the GPU host's bridge): the visual input first, the audio after it at AUDIO_ALIGN, as
-supervisor sizes the slots (config.geometry.input_slot_bytes)."""
+"""Writing a request's tensors into an inference worker's input slots, for both shells (the client
+frontend and the GPU host's bridge): the visual input first, the audio after it at AUDIO_ALIGN, in as
+many adjacent slots of one frame's room as they take (config.geometry.input_page_bytes)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
 from config.geometry import audio_offset
-from shm.ring import SlotRing, TensorRef
+from frontend.core.request import Request
+from shm.ring import RingError, SlotRing, TensorRef
+
+
+class RingRoom:
+    """The engine's room (core/scheduler.Room) in the workers' input rings: a request holds the adjacent
+    slots its inputs take, and a worker holds at most `frames` frames in flight (what its output ring
+    holds: shm.slots x limits.max_batch), so a burst of small-input requests waits here, where
+    limits.queue_depth bounds it, not in the worker. One that can never fit is let through:
+    `write_inputs` fails it, naming the setting."""
+
+    def __init__(self, rings: Sequence[SlotRing], frames: int):
+        self.rings, self.frames = rings, frames
+        self._held: list[dict[int, int]] = [{} for _ in rings]   # per worker: request -> frames
+
+    def take(self, worker: int, r: Request) -> bool:
+        ring, held = self.rings[worker], self._held[worker]
+        if held and sum(held.values()) + r.batch > self.frames:
+            return False
+        count = ring.slots_for(r.inputs.nbytes(r.batch))
+        if count <= ring.spec.n_slots and ring.try_acquire(r.req, count) is None:
+            return False
+        held[r.req] = r.batch
+        return True
+
+    def free(self, worker: int, req: int) -> None:
+        self._held[worker].pop(req, None)
+        self.rings[worker].release_request(req)
+
+    def reset(self, worker: int) -> None:
+        self._held[worker].clear()
+        self.rings[worker].become_writer()
 
 
 def write_inputs(ring: SlotRing, req: int, visual: Optional[np.ndarray], audio: np.ndarray,
                  audio_shape: Optional[tuple[int, ...]] = None) -> tuple[Optional[TensorRef], TensorRef]:
-    """Take a slot for `req` and write its inputs; `audio` is broadcast to `audio_shape` when given (one
-    window for every frame). The engine counted a free slot, so none free here is a bug."""
-    slot = ring.try_acquire(req)
+    """Write `req`'s inputs into the slots it holds (`RingRoom.take`); `audio` is broadcast to `audio_shape`
+    when given (one window for every frame)."""
+    slot = ring.held(req)
     if slot is None:
-        raise RuntimeError(f"input ring {ring.spec.name} has no free slot, though the engine counted one")
+        nbytes = (0 if visual is None else audio_offset(visual.nbytes)) + \
+            audio.dtype.itemsize * int(np.prod(audio_shape or audio.shape))
+        raise RingError(f"input ring {ring.spec.name}: {nbytes} bytes of inputs need {ring.slots_for(nbytes)} "
+                        f"slots of {ring.spec.slot_bytes} bytes, the ring has {ring.spec.n_slots}: raise shm.slots")
     offset, visual_ref = 0, None
     if visual is not None:
         ring.writable(slot, 0, "float32", visual.shape)[...] = visual

@@ -31,6 +31,7 @@ from frontend.core.backlog import Backlogs
 from frontend.core.request import Kind, Request
 from frontend.core.scheduler import Render, Scheduler
 from frontend.core.shell import Shell
+from frontend.core.slots import RingRoom
 from frontend.live.capacity import ProcessCpu
 from frontend.live.service import Live
 from frontend.metrics import Metrics
@@ -61,8 +62,6 @@ class Frontend(Shell):
         self.store_lookups: dict[str, dict[str, int]] = {}   # model -> {"hits", "misses"}
         self._stopping = False
         lim = config.limits
-        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), config.shm.slots, lim.queue_depth,
-                           config.frontend.routing)
         self.auth = None
         self.tenants = self._tenants(ctx)
         self.clients = []
@@ -90,6 +89,8 @@ class Frontend(Shell):
         for ring in inputs:
             ring.become_writer()   # the frontend is the one writer of every input ring
         to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
+        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), RingRoom(inputs, config.shm.slots * lim.max_batch), lim.queue_depth,
+                           config.frontend.routing)
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
@@ -349,7 +350,7 @@ class Frontend(Shell):
         for w in self.engine.workers:
             label = str(w.index)
             self.metrics.queue_depth.labels(label).set(len(w.active))
-            self.metrics.slots_in_use.labels(label).set(w.slots - w.free_slots)
+            self.metrics.slots_in_use.labels(label).set(self.input_rings[w.index].slots_in_use())
             self.metrics.models_loaded.labels(label).set(len(w.models))
         for i, c in enumerate(self.engine.compositors):
             self.metrics.compositor_depth.labels(str(i)).set(len(c.active))
