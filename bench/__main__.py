@@ -70,7 +70,8 @@ def main() -> int:
                              "fresh server; how many got in and how they fared")
     parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
     parser.add_argument("--no-shed", action="store_true",
-                        help="sessions bench: sessions.shed_speech off (every session misses alike past capacity)")
+                        help="sessions and gpu benches: sessions.shed_speech off (every session misses alike past "
+                             "capacity)")
     parser.add_argument("--profile", metavar="DIR", type=Path,
                         help="sessions bench: a py-spy recording of the frontend per level into DIR, summed up "
                              "per function per frame sent (needs py-spy installed beside the bench's python)")
@@ -117,7 +118,8 @@ def main() -> int:
                                        args.speaking, args.max_models, args.avatars, args.residency_s, args.stand_in,
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
                                        live_s=args.live_s, budget_s=args.budget_s,
-                                       avatar_levels=args.avatar_levels, speaking_share=args.speaking_share)
+                                       avatar_levels=args.avatar_levels, speaking_share=args.speaking_share,
+                                       shed=not args.no_shed)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)

@@ -76,6 +76,7 @@ class GpuBenchOptions:
     avatar_levels: tuple[int, ...] = ()     # live levels, 16 kHz PCM, each session on an avatar of its own
     live_s: float = 8.0                     # per live level
     speaking_share: float = 0.27            # of each live session's time
+    shed: bool = True                       # sessions.shed_speech
     budget_s: Optional[float] = None        # the whole run; None: no limit
 
 
@@ -85,7 +86,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             stand_in: Optional[float] = None, budget_ms: int = 280, variants: Optional[tuple[str, ...]] = None,
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
             budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None,
-            speaking_share: float = 0.27) -> GpuBenchOptions:
+            speaking_share: float = 0.27, shed: bool = True) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -106,7 +107,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
                            avatar_levels=pick(avatar_levels, (48,), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
-                           speaking_share=speaking_share)
+                           speaking_share=speaking_share, shed=shed)
 
 
 def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
@@ -322,7 +323,7 @@ def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -
     from bench.sessions import _settings
     from tests.helpers import base_config
     return base_config(models, **{
-        **_settings("jpeg", o.budget_ms), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
+        **_settings("jpeg", o.budget_ms, shed=o.shed), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
         "inference.devices": "cpu" if o.device == "cpu" else [cuda_id(o.device)],
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
         "metrics.port": metrics_port, "inference.mixed_steps": "auto", **variant_settings(variant)})

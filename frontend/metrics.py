@@ -40,6 +40,16 @@ class Metrics:
                              ["model", "result"], registry=r)
         self.slots_in_use = Gauge("lipsync_shm_slots_in_use", "Input shm slots (one frame's room each) in use per inference worker",
                                   ["worker"], registry=r)
+        self.device_steps = Counter("lipsync_device_steps", "A GPU worker's device steps by kind: one_model (one "
+                                    "avatar's frames), sub_calls (several avatars, a call each), grouped (several "
+                                    "avatars in one call of the architecture's N-model form)", ["worker", "kind"],
+                                    registry=r)
+        self.device_call_frames = Histogram("lipsync_device_call_frames", "Frames one device call of a GPU worker "
+                                            "held (the rest of its prepared size: padding)", ["worker"],
+                                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.device_call_rows = Counter("lipsync_device_call_rows", "Rows of a GPU worker's device calls: frame "
+                                        "(a request's) or padding (up to the prepared size)", ["worker", "row"],
+                                        registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
         self.sessions_open = Gauge("lipsync_sessions_open", "Live sessions open", registry=r)
         self.sessions_refused = Counter("lipsync_sessions_refused", "session_opens answered busy: the server was "

@@ -96,6 +96,7 @@ class Prepared:
         self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
         self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
         self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
+        self.step_calls: list[tuple[int, int]] = []   # the step running: each call's (size, frames)
         self.grouped: Optional[GroupedCalls] = None   # the N-model form (gpu_actor/mixed.py), once ready
         self.grouped_tried = False
 
@@ -265,6 +266,13 @@ class Prepared:
             self.device.download(self.out[at:at + b - a], part.out[a:b])
         self.calls[step.size] += 1
         self.call_rows[step.end - step.start] += 1
+        self.step_calls.append((step.size, step.end - step.start))
+
+    def end_step(self, kind: str) -> list[tuple[int, int]]:
+        """(The main thread) a worker's step of `kind` is over: counted, and its calls' (size, frames)."""
+        self.steps[kind] += 1
+        calls, self.step_calls = self.step_calls, []
+        return calls
 
     def call_stats(self) -> dict:
         """The main thread's model calls: how many each size had, how many held each count of frames (a

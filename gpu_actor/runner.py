@@ -79,7 +79,9 @@ class Runner(Protocol):
                              # models' rows in one call; a ModelRunner is its own, one model)
     step_rows: int           # the most frames one call of it holds: a step's size
 
-    def record_step(self, kind: str) -> None: ...
+    def end_step(self, kind: str) -> list[tuple[int, int]]:
+        """A worker's step of `kind` (one_model, sub_calls, grouped) that this runner's group ran is over:
+        counted, and the device calls it made, (prepared size, frames held) each."""
 
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
             out: np.ndarray) -> None: ...
@@ -138,8 +140,9 @@ class ModelRunner:
             self._run(pad_v, pad_a, pad_o)
             out[step.start:step.end] = pad_o[:rows]
 
-    def record_step(self, kind: str) -> None:
-        """(Steps are counted where calls hold many frames: gpu_actor/prepared.py.)"""
+    def end_step(self, kind: str) -> list[tuple[int, int]]:
+        """(Steps and calls are counted where calls hold many frames: gpu_actor/prepared.py.)"""
+        return []
 
     def run_parts(self, parts: list[Part]) -> None:
         """Several requests' rows: one frame a call whatever the step, so each part runs as its own batch."""

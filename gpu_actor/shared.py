@@ -50,8 +50,8 @@ class SharedRunner:
     def step_rows(self) -> int:
         return self.prepared.shapes.largest
 
-    def record_step(self, kind: str) -> None:
-        self.prepared.steps[kind] += 1
+    def end_step(self, kind: str) -> list[tuple[int, int]]:
+        return self.prepared.end_step(kind)
 
     def _binding(self, size: int):
         p = self.prepared

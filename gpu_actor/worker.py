@@ -33,7 +33,7 @@ from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
-                          ResetRequests, StatsQuery, StatsReport, UnloadModel, pack, unpack)
+                          ResetRequests, StatsQuery, StatsReport, StepDone, UnloadModel, pack, unpack)
 from shm.ring import RingError, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
@@ -247,14 +247,17 @@ class InferenceWorker:
         runners = {model: self.registry.loaded[model].runner for model in by_model}
         first = runners[jobs[0].task.model]
         if len(by_model) > 1 and first.group.prefers_grouped([sum(j.task.batch for j in g) for g in by_model.values()]):
-            first.record_step("grouped")   # several avatars, one call of the architecture's N-model form
+            kind = "grouped"   # several avatars, one call of the architecture's N-model form
             self._run(jobs, "models " + ", ".join(by_model), lambda: first.group.run_grouped(
                 [(runners[model], [Part(j.visual, j.audio, j.out) for j in group]) for model, group in by_model.items()]))
-            return
-        first.record_step("one_model" if len(by_model) == 1 else "sub_calls")
-        for model, group in by_model.items():
-            self._run(group, f"model {model}",
-                      lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
+        else:
+            kind = "one_model" if len(by_model) == 1 else "sub_calls"
+            for model, group in by_model.items():
+                self._run(group, f"model {model}",
+                          lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
+        calls = first.end_step(kind)
+        if calls:   # (the GPU path's: a CPU call holds one frame)
+            self.to_frontend.send(pack(StepDone(worker=self.index, kind=kind, calls=calls)))
 
     def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
         """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and visual

@@ -210,6 +210,15 @@ class InferDone(_Msg):
     input_ms: float = 0.0            # building an audio-only request's visual input from the avatar
 
 
+class StepDone(_Msg):
+    """A GPU worker's device step is over (gpu_actor/worker.py): its kind (one_model, sub_calls, grouped)
+    and its device calls, (prepared size, frames held) each; for the frontend's metrics."""
+
+    worker: int
+    kind: str
+    calls: list[tuple[int, int]]
+
+
 class CompositeDone(_Msg):
     """Followed by end - start raw frames, one encoded image each."""
 
@@ -316,7 +325,7 @@ class Goodbye(_Msg):
 
 
 Message = Union[
-    InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone,
+    InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone, StepDone,
     CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
     Goodbye, RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
 ]

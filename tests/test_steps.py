@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.runner import ModelRunner
 from lipsync_client import AsyncClient
-from tests.helpers import base_config, make_avatar, run_server
+from tests.helpers import base_config, free_port, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
 REQUESTS = 8    # 1 frame each, on two avatars of one architecture
@@ -31,7 +33,7 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     # NOTE: shm.slots 1: the rings hold one request of max_batch (8) frames, or 8 of one frame each, all in
     # flight at once (a request takes the slots its frames need)
     cfg = base_config(root, **{"limits.max_batch": REQUESTS, "limits.queue_depth": 16, "shm.slots": 1,
-                               "inference.mixed_steps": mixed})
+                               "inference.mixed_steps": mixed, "metrics.port": free_port()})
     rng = np.random.default_rng(7)
     work = [("ab"[k % 3 == 2], rng.random((1, 6, 320, 320), np.float32),
              rng.standard_normal((1, 32, 16, 16)).astype(np.float32)) for k in range(REQUESTS)]
@@ -52,6 +54,7 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
         answers = asyncio.run(burst())
         with srv.client() as c:
             (architecture,) = c.stats()["workers"][0]["architectures"].values()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=30).read().decode()
     # each request's mouths are its own model's on its own frame (the CPU provider, the model alone)
     runners = {m: ModelRunner(root / m / "model.onnx") for m in ("a", "b")}
     for (model, visual, audio), (_, frames) in zip(work, answers):
@@ -65,3 +68,14 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     assert max(histogram) >= 3 and architecture["frames_per_call"] > 1.5, architecture
     assert architecture["steps"].get(kind, 0) >= 1, architecture   # two avatars in one step
     assert set(architecture["steps"]) <= {"one_model", kind}, architecture
+    # Prometheus tells the same: frames per device call (a histogram), rows held and padded, steps by kind
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body) for s in family.samples}
+    calls = sum(histogram.values())
+    assert samples[("lipsync_device_call_frames_count", (("worker", "0"),))] == calls, samples
+    assert samples[("lipsync_device_call_frames_sum", (("worker", "0"),))] == REQUESTS
+    assert samples[("lipsync_device_call_rows_total", (("row", "frame"), ("worker", "0")))] == REQUESTS
+    padding = sum(int(size) * n for size, n in architecture["calls_by_size"].items()) - REQUESTS
+    assert samples[("lipsync_device_call_rows_total", (("row", "padding"), ("worker", "0")))] == padding
+    assert {k: v for (name, labels), v in samples.items() if name == "lipsync_device_steps_total"
+            for key, k in labels if key == "kind"} == {k: float(n) for k, n in architecture["steps"].items()}

@@ -43,7 +43,7 @@ from shm.child import bind_endpoint, child_main, listen_tcp
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, StatsReport,
-                          pack, unpack)
+                          StepDone, pack, unpack)
 from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class Frontend(Shell):
         # The workers' and compositors' messages, by type (anything else is ignored)
         self._handlers = {InferDone: self._infer_done, CompositeDone: self._composite_done,
                           LoadDone: self._control_done, StatsReport: self._control_done,
-                          ModelEvent: self._model_event, ProcessEvent: self._process_event}
+                          ModelEvent: self._model_event, ProcessEvent: self._process_event, StepDone: self._step_done}
         self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
 
     def readiness(self) -> tuple[str, Optional[str]]:
@@ -304,6 +304,15 @@ class Frontend(Shell):
 
     def _control_done(self, msg, data: list) -> None:
         self.apply(self.engine.control_done(msg))
+
+    def _step_done(self, msg: StepDone, data: list) -> None:
+        worker, m = str(msg.worker), self.metrics
+        m.of(m.device_steps, worker, msg.kind).inc()
+        frames = m.of(m.device_call_frames, worker)
+        for size, held in msg.calls:
+            frames.observe(held)
+        m.of(m.device_call_rows, worker, "frame").inc(sum(held for _, held in msg.calls))
+        m.of(m.device_call_rows, worker, "padding").inc(sum(size - held for size, held in msg.calls))
 
     def _model_event(self, msg: ModelEvent, data: list) -> None:
         self.metrics.model_events.labels(msg.event.value).inc()
