@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 from bench.gpu_device import anchor, device_name, own_vs_shared, pick_device, print_anchor, \
     print_own_vs_shared
-from bench.gpu_server import WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
+from bench.gpu_server import COLD_S, WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
     load_while_speaking, residency, served, stop_children
 from gpu_actor.device import STAND_IN_ENV
 from gpu_actor.onnx_sessions import cuda_id
@@ -507,7 +507,7 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
         most = max(o.avatar_levels)
         r.section("live_avatars", f"live sessions speaking 16 kHz PCM, each on an avatar of its own ({o.model}, one "
                   f"architecture, other weights; 20-ms chunks in real time, {share} speaking, {o.live_s:g} s per level):",
-                  levels_s(o.avatar_levels) + most * (costs.write_s + costs.load_s),
+                  levels_s(o.avatar_levels) + COLD_S + LEVEL_S + most * (costs.write_s + costs.load_s),
                   lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share,
                                models=tuple(avatar(models, f"v{k:03d}", demo, _written(o.model, 500 + k), encoder=True)
                                             for k in range(most))))

@@ -193,16 +193,31 @@ def served(srv, model: str, batches: tuple[int, ...], sizes: tuple[int, ...], a:
 
 # -- live sessions and models ------------------------------------------------------------------------
 
+COLD_S = 6.0   # live(): the first speech of every avatar, before the levels
+
+
 def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
          pcm: Optional[np.ndarray] = None, models: tuple[str, ...] = ("avatar",), duty: float = 0.27) -> list[dict]:
     """bench/sessions.py's speaking levels, session i on models[i % len(models)]: audio windows, one per
     frame period, or with `pcm` (16 kHz int16) that utterance from its start in 20-ms chunks in real time,
-    once per burst; each session speaking `duty` of the time."""
+    once per burst; each session speaking `duty` of the time. Several avatars: first a session on each
+    speaks all the time for COLD_S, printed (their backgrounds' first decode, cold), so the levels measure
+    avatars in use."""
     from bench.sessions import _print, _run_level
     with srv.client(timeout_s=600) as c:   # their loads (and a GPU's warm-up of every shape) are not a level's
         for model in models:
             c.load(model)
     out = []
+    if len(models) > 1:
+        print(f"    first speech of each of the {len(models)} avatars at once (cold: their backgrounds decoded "
+              "on first use):", flush=True)
+        before = _calls(srv)
+        r = _run_level(srv, len(models), COLD_S, 1.0, pcm, fmt="jpeg", metrics_port=metrics_port, models=models)
+        _print(r)
+        r["device_calls"] = calls = _calls_between(before, _calls(srv))
+        r["cold"] = True
+        out.append(r)
+        print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call", flush=True)
     for n in levels:
         before = _calls(srv)
         r = _run_level(srv, n, seconds, duty, pcm, fmt="jpeg", metrics_port=metrics_port, models=models)

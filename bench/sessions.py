@@ -364,7 +364,7 @@ def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: 
 def _print(r: dict) -> None:
     pcm = (" (16 kHz PCM, TTS-like: 200-ms chunks at 2x real time)" if r.get("tts") else
            " (16 kHz PCM, 20-ms chunks in real time)") if r.get("pcm") else ""
-    kind = ("speaking 27%" + pcm) if r["duty"] else "silent"
+    kind = (f"speaking {r['duty']:.0%}" + pcm) if r["duty"] else "silent"
     if r.get("refused") or r.get("busy_answers"):
         print(f"  {r['asked']} sessions asked for: {r['sessions']} admitted, {r['refused']} refused busy "
               f"({r['busy_answers']} busy answers in all, each asked again as the server said)", flush=True)

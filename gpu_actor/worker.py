@@ -3,7 +3,8 @@ of this worker's output ring, and hand the slot on (to the compositing pool, or 
 `infer`).
 
 Loop: one poll point over the task socket (tasks and control) and the load-completion socket.
-Tasks whose model is loading wait aside; every other model's tasks keep running meanwhile.
+Tasks whose model is loading, or whose avatar's frames are being decoded (gpu_actor/backgrounds.py), wait
+aside; every other task keeps running meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from config import Config
 from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_BYTES, MOUTH_SHAPE, VISUAL_SHAPE
+from gpu_actor.backgrounds import Backgrounds
 from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, route
@@ -65,6 +67,7 @@ class InferenceWorker:
         # NOTE: a finished load wakes the loop from the load thread, or from this one when the load
         # failed before its callback was attached: the lock keeps the socket to one thread at a time.
         self._wake_lock = threading.Lock()
+        self.backgrounds = Backgrounds(run.store, self.store, self._wake)
         for ring in (self.inputs, self.outputs):   # copies to and from the slots at the bus's speed
             device.pin(ring.data())
         self.registry = Registry(device, inf, config.limits.max_batch, self._onnx_path, self._model_event, self._wake,
@@ -107,6 +110,7 @@ class InferenceWorker:
         self.registry.device.unpin_all()   # NOTE: before the rings unmap what it pinned
         for ring in (self.inputs, self.outputs):
             ring.close()
+        self.backgrounds.close()
         self.store.close()
 
     # -- loop ---------------------------------------------------------------------------------------
@@ -134,7 +138,21 @@ class InferenceWorker:
             self._handle(unpack(self.tasks.recv()))
 
     def _runnable(self) -> Optional[InferTask]:
-        return next((t for t in self.queue if t.model in self.registry.loaded), None)
+        return next((t for t in self.queue if self._ready(t)), None)
+
+    def _ready(self, task: InferTask) -> bool:
+        """A task runs once its model is loaded and, audio-only, its frames' crops are in the store (the
+        missing ones are decoded meanwhile, off this thread: gpu_actor/backgrounds.py)."""
+        if task.model not in self.registry.loaded:
+            return False
+        if task.visual is not None:
+            return True
+        try:
+            assets = self.assets.get(task.model, task.version)
+            assets.check_frames(task.frames)
+        except AssetError:
+            return True   # answered with the error as it runs
+        return self.backgrounds.ready(assets, task.frames)
 
     def _handle(self, msg) -> None:
         route(self._handlers, msg, f"inference worker {self.index}")
@@ -196,7 +214,8 @@ class InferenceWorker:
         now = time.monotonic()
         for task in [t for t in self.queue if t.deadline and t.deadline < now]:
             self.queue.remove(task)
-            self._done(task, "timeout", "the deadline passed while the model was loading")
+            self._done(task, "timeout", "the deadline passed while the model was loading or its backgrounds were "
+                       "read")
 
     def _done(self, task: InferTask, code: str = "", message: str = "", **fields) -> None:
         self.registry.finished(task.model)
@@ -211,7 +230,7 @@ class InferenceWorker:
         """The next step's tasks, out of the queue: the most urgent runnable task, then the other runnable
         tasks of its architecture, most urgent first, while their frames fit the largest call the device
         runs (one task at least: a larger one runs as several calls)."""
-        runnable = sorted((t for t in self.queue if t.model in self.registry.loaded), key=_urgency)
+        runnable = sorted((t for t in self.queue if self._ready(t)), key=_urgency)
         if not runnable:
             return []
         first = self.registry.loaded[runnable[0].model].runner

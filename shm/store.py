@@ -156,6 +156,13 @@ class BackgroundStore:
                                  "in another process; is its storage slow?")
             time.sleep(_POLL_S)  # another process is decoding this very frame
 
+    def has(self, model_id: str, frame: int) -> bool:
+        """Whether a model's frame is in the store, decoded (it may be evicted right after)."""
+        key = model_key(model_id)
+        with self._locked():
+            slot = self._find(key, frame)
+            return slot is not None and self._table[slot]["state"] == READY
+
     def _find(self, key: int, frame: int) -> int | None:
         """The entry holding a model's frame (READY or LOADING), or None; under the lock."""
         table = self._table
