@@ -48,7 +48,7 @@ from bench.gpu_device import anchor, device_name, own_vs_shared, pick_device, pr
     print_own_vs_shared
 from bench.gpu_server import COLD_S, WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
     load_while_speaking, residency, served, stop_children
-from gpu_actor.device import STAND_IN_ENV
+from gpu_actor.device import CPU, STAND_IN_ENV, is_gpu
 from gpu_actor.onnx_sessions import cuda_id
 from gpu_actor.shapes import prepared_sizes
 
@@ -90,7 +90,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
-    gpu = device != "cpu"
+    gpu = is_gpu(device)
 
     def pick(value, on_gpu, on_cpu):
         return value if value is not None else (on_gpu if gpu else on_cpu)
@@ -184,7 +184,7 @@ class Costs:
 
 
 def priors(o: GpuBenchOptions, sizes: tuple[int, ...]) -> Costs:
-    gpu, unet = o.device != "cpu", o.model == "unet328"
+    gpu, unet = is_gpu(o.device), o.model == "unet328"
     # NOTE: on the stand-in, three sessions stall at each size: the model's, the crops graph's and the audio
     # encoder's; on a GPU the crops graph has no convolution and the encoder's are small
     first = GPU_FIRST_CALL_S if gpu else 3 * (o.stand_in or 0.0)
@@ -324,7 +324,7 @@ def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -
     from tests.helpers import base_config
     return base_config(models, **{
         **_settings("jpeg", o.budget_ms, shed=o.shed), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
-        "inference.devices": "cpu" if o.device == "cpu" else [cuda_id(o.device)],
+        "inference.devices": [cuda_id(o.device)] if is_gpu(o.device) else CPU,
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
         "metrics.port": metrics_port, "inference.mixed_steps": "auto", **variant_settings(variant)})
 
@@ -372,7 +372,7 @@ def run(demo_dir: str, o: GpuBenchOptions, save: Callable[[dict], None] = lambda
     env = {STAND_IN_ENV: str(o.stand_in)} if o.stand_in is not None else None
     # the shapes the worker runs (with the stand-in, the GPU path's, on the CPU provider): the anchor's too
     # the worker's own table: batched on a card and on the stand-in, one frame a call on the CPU provider
-    sizes = prepared_sizes(o.max_batch, batched=bool(env) or o.device != "cpu")
+    sizes = prepared_sizes(o.max_batch, batched=bool(env) or is_gpu(o.device))
     results: dict = {"device": o.device, "device_name": device_name(o.device), "model": o.model,
                      "prepared_sizes": sizes, "stand_in_s": o.stand_in, "variants_run": o.variants,
                      "run": {"budget_s": o.budget_s, "elapsed_s": 0.0, "sections": {}, "skipped": {},
@@ -528,7 +528,7 @@ def _model_sections(r: SectionRunner, root: Path, models: Path, demo: Path, main
 
     r.section("first_frame", f"model load -> first frame: {o.avatars} distinct models, session_open then 1 s of "
               "speech at once; MiB per model as the worker's stats tell (nbytes) and as measured ("
-              + ("the GPU's memory in use" if o.device != "cpu" else "the worker's resident memory") + "):",
+              + ("the GPU's memory in use" if is_gpu(o.device) else "the worker's resident memory") + "):",
               _pays(main, costs) + o.avatars * (costs.write_s + costs.load_s + 2.5), framed)
     load_s = max(costs.load_s * 1.5, 1.0)
     r.section("load_while_speaking", f"a load while {o.speaking} sessions speak:",
@@ -541,14 +541,14 @@ def _model_sections(r: SectionRunner, root: Path, models: Path, demo: Path, main
         further = root / "further.onnx"   # (outside models/: the catalog never sees it)
         _written(o.model, 1)(further)
         figures = own_vs_shared(models / "avatar" / "model.onnx", further, o.device, o.max_batch, o.seconds)
-        print_own_vs_shared(figures, reference=o.device == "cpu" and o.model == "unet328")
+        print_own_vs_shared(figures, reference=not is_gpu(o.device) and o.model == "unet328")
         return figures
 
     # on a GPU: the own session's first calls at two sizes (twice: a further model), the shared one's at every size
-    own_sizes = 2 if o.device != "cpu" else 1
+    own_sizes = 2 if is_gpu(o.device) else 1
     r.section("own_vs_shared", f"a model's own session vs its architecture's shared session (weights bound per call), "
               f"the {o.model} model on {o.device}"
-              + (" (the shared one as on the stand-in device)" if o.device == "cpu" else
+              + (" (the shared one as on the stand-in device)" if not is_gpu(o.device) else
                  " (both with inputs on the device: no host copies)")
               + f": ready time and memory against the weight bytes, a further model's, then ms per frame in "
               f"interleaved rounds ({o.seconds:g} s per batch):",

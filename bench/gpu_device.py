@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 
+from gpu_actor.device import CPU, is_gpu
 from gpu_actor.onnx_sessions import cuda_id
 
 OWN_VS_SHARED_MIN_ROUNDS = 3
@@ -30,9 +31,9 @@ def pick_device(wanted: str) -> str:
     try:
         import onnxruntime as ort
         if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return "cpu"
+            return CPU
         import cupy
-        return "cuda:0" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+        return "cuda:0" if cupy.cuda.runtime.getDeviceCount() > 0 else CPU
     except Exception:   # no cupy, or a CUDA runtime without a driver
         return "cpu"
 
@@ -47,7 +48,7 @@ def _smi(query: str, index: int) -> Optional[str]:
 
 
 def device_name(device: str) -> str:
-    if device != "cpu":
+    if is_gpu(device):
         index = cuda_id(device)
         smi = _smi("name,memory.total", index)
         if smi:
@@ -71,7 +72,7 @@ def device_name(device: str) -> str:
 def memory_mib(device: str, pid: int) -> Optional[float]:
     """What a load is measured by: the GPU's memory in use (every process), or the process's resident
     memory."""
-    if device == "cpu":
+    if not is_gpu(device):
         try:
             return psutil.Process(pid).memory_info().rss / 2 ** 20
         except psutil.Error:
@@ -100,7 +101,7 @@ def _resident_call(session, io, device: str, batch: int, rng: np.random.Generato
     """One call of `session` at `batch`, its inputs and output bound where they live (OrtValues on the
     device): the model's work and nothing else."""
     import onnxruntime as ort
-    where, index = ("cpu", 0) if device == "cpu" else ("cuda", cuda_id(device))
+    where, index = ("cuda", cuda_id(device)) if is_gpu(device) else ("cpu", 0)
     visual = ort.OrtValue.ortvalue_from_numpy(rng.random((batch, 6, 320, 320), dtype=np.float32), where, index)
     audio = ort.OrtValue.ortvalue_from_numpy(rng.standard_normal((batch, *io.audio_shape)).astype(np.float32),
                                              where, index)
@@ -128,7 +129,7 @@ def anchor(model: Path, device: str, sizes: tuple[int, ...], seconds: float) -> 
     """onnxruntime alone, the session made as a worker makes it, at each of `sizes`."""
     from gpu_actor.cuda import CudaDevice
     from gpu_actor.device import CpuDevice
-    session = _own_session(model, CpuDevice() if device == "cpu" else CudaDevice(device))
+    session = _own_session(model, CudaDevice(device) if is_gpu(device) else CpuDevice())
     io = _io(session, model)
     rng = np.random.default_rng(0)
     out = {}
@@ -175,7 +176,7 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
     from gpu_actor.cuda import CudaDevice
     from gpu_actor.device import StandInDevice
     from gpu_actor.shared import Architectures
-    gpu = device != "cpu"
+    gpu = is_gpu(device)
     dev = CudaDevice(device) if gpu else StandInDevice(0.0)
     sizes = dev.sizes(max_batch if gpu else 1)
     batches = tuple(dict.fromkeys((1, max(sizes))))
@@ -235,7 +236,7 @@ def _own_calls_gpu(model: Path, dev, batches: tuple[int, ...], rng) -> dict:
 def _shared_calls(runner, dev, batches: tuple[int, ...], rng) -> dict:
     """The CPU: SharedRunner.run as a worker calls it. A GPU: the prepared session at each batch with the
     model's weights and the staging buffers (random inputs uploaded once) bound, as the runner binds them."""
-    if dev.name == "cpu":
+    if not is_gpu(dev.name):
         return _run_calls(runner, batches, rng)
     p, calls = runner.prepared, {}
     for b in batches:

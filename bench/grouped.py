@@ -30,6 +30,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from bench.__main__ import _counts, _device, _write_json
+from gpu_actor.device import is_gpu
+from gpu_actor.onnx_sessions import cuda_id
 
 VARIANTS = ("one", "conv", "matmul", "split")
 LABELS = {"one": "one model", "conv": "grouped conv", "matmul": "grouped matmul", "split": "n x 1 frame"}
@@ -57,14 +59,14 @@ class _Device:
 
     def __init__(self, device: str):
         self.name = device
-        self.where, self.index = ("cpu", 0) if device == "cpu" else ("cuda", int(device.split(":")[1]))
-        if device != "cpu":
+        self.where, self.index = ("cuda", cuda_id(device)) if is_gpu(device) else ("cpu", 0)
+        if is_gpu(device):
             from gpu_actor.cuda_libs import preload
             preload()
 
     def session(self, graph: bytes):
         from gpu_actor.onnx_sessions import new_session, session_options
-        if self.name == "cpu":
+        if not is_gpu(self.name):
             return new_session(graph, session_options(0, False), ["CPUExecutionProvider"], "cpu")
         from gpu_actor.cuda import CudaDevice
         options = session_options(1, False)
@@ -172,14 +174,14 @@ def estimate_s(n: int, done: list[dict], device: str, model: str, seconds: float
         # NOTE: on a GPU a first call is building cuDNN's plans, seconds whatever the batch (3.1-5.7 s from
         # batch 1 to 64 on an H100): scaling it by n, as the CPU's compute scales, skipped n = 16 on an
         # H200 at an estimated 96 s
-        first_scale = max(1.0, scale) if device == "cpu" else 1.5
+        first_scale = 1.5 if is_gpu(device) else max(1.0, scale)
         total = sum(last["session_ms"].values()) / 1000 * first_scale
         for v in VARIANTS:
             call_s = last[v]["ms"] / 1000 * scale
             first_s = last[v]["first_ms"] / 1000 * first_scale
             total += first_s + call_s + max(seconds, MIN_CALLS * call_s)
         return total + 0.1 * n   # weights uploaded per model
-    if device != "cpu":
+    if is_gpu(device):
         return 4 * (GPU_FIRST_CALL_S + seconds) + 0.1 * n
     call_s = CPU_FRAME_MS[model] / 1000 * n
     return 4 * (2 * call_s + max(seconds, MIN_CALLS * call_s))

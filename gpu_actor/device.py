@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STAND_IN_ENV = "LIPSYNC_STAND_IN_STALL_S"
+CPU = "cpu"   # a worker's device string for the CPU provider; a GPU's is "cuda:N"
 STAND_IN_COST_ENV = "LIPSYNC_STAND_IN_COST_MS"
 
 
@@ -237,6 +238,12 @@ class StandInDevice(CpuDevice):
         if model and any(self.cost_s):
             fixed, per_frame = self.cost_s
             time.sleep(max(fixed + per_frame * size - (time.perf_counter() - t0), 0.0))   # (the GIL is free)
+
+
+def is_gpu(device: str) -> bool:
+    """Whether a worker's device string names a GPU ("cuda:N") rather than the CPU provider: the one place
+    outside the device classes that tells them apart (tests/test_layout.py)."""
+    return device != CPU
 
 
 def make_device(device: str):

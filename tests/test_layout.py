@@ -232,6 +232,21 @@ def test_onnxruntime_sessions_are_made_in_one_place():
     assert len(sites) == 1 and sites[0].startswith("gpu_actor/onnx_sessions.py:"), sites
 
 
+def test_no_device_name_is_compared_outside_the_device_layer():
+    """What differs between the CPU, a GPU and the stand-in is asked of the device layer (gpu_actor/device.py:
+    `is_gpu`, the device classes), never by comparing a device string elsewhere in gpu_actor/ or bench/."""
+    layer = {"gpu_actor/device.py", "gpu_actor/cuda.py", "gpu_actor/onnx_sessions.py"}
+    sites = []
+    for path in [*(ROOT / "gpu_actor").rglob("*.py"), *(ROOT / "bench").rglob("*.py")]:
+        if str(path.relative_to(ROOT)) in layer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(side, ast.Constant) and side.value == "cpu" for side in (node.left, *node.comparators)):
+                sites.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not sites, sites
+
+
 def test_the_edge_forwarder_stands_on_no_inference_worker():
     """An edge host forwards to GPU hosts: gpu_actor/remote.py imports nothing that loads models."""
     imported = set()
