@@ -99,7 +99,7 @@ def main() -> int:
                           "fp32 on the CPU, fp32,fp16 with --stand-in)")
     gpu.add_argument("--avatar-levels", type=_counts, default=None,
                      help="gpu bench: live PCM levels with each session on an avatar of its own (one architecture, "
-                          "other weights; default 48 on a GPU, 2 on the CPU; '' for none)")
+                          "other weights; default 48,150 on a GPU, 2 on the CPU; '' for none)")
     gpu.add_argument("--live-s", type=float, metavar="S", help="seconds per live level (default --seconds)")
     gpu.add_argument("--speaking-share", type=float, default=0.27, metavar="F",
                      help="share of the time each session of a live level speaks, 0 to 1 (default 0.27; 1: all "

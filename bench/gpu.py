@@ -105,7 +105,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            seconds, pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2),
                            pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3,
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
-                           avatar_levels=pick(avatar_levels, (48,), (2,)),
+                           avatar_levels=pick(avatar_levels, (48, 150), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
                            speaking_share=speaking_share, shed=shed)
 

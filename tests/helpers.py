@@ -69,7 +69,7 @@ def make_video_avatar(models_dir: Path, model_id: str, n_frames: int) -> Path:
 
 
 def reference_composite(background: np.ndarray, rect, mouth: np.ndarray) -> np.ndarray:
-    """The three steps exactly as written in the compositing issue, with nothing shared with the server."""
+    """The three compositing steps exactly as SyncTalk_2D writes them, with nothing shared with the server."""
     h_img, w_img = background.shape[:2]
     x1, y1, x2, y2 = max(rect[0], 0), max(rect[1], 0), min(rect[2], w_img), min(rect[3], h_img)
     c = cv2.resize(background[y1:y2, x1:x2], (328, 328), interpolation=cv2.INTER_CUBIC)
