@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 import psutil
 
-from gpu_actor.device import CPU, is_gpu
+from gpu_actor.device import CPU, is_gpu, visible_gpus
 from gpu_actor.onnx_sessions import cuda_id
 
 OWN_VS_SHARED_MIN_ROUNDS = 3
@@ -25,17 +25,12 @@ OWN_VS_SHARED_MIN_ROUNDS = 3
 # -- the device --------------------------------------------------------------------------------------
 
 def pick_device(wanted: str) -> str:
-    """`auto`: cuda:0 where onnxruntime has its CUDA provider and cupy sees a GPU, else cpu."""
+    """`auto`: the first GPU a worker could run on (gpu_actor/device.visible_gpus, as the supervisor's
+    `inference.devices: auto`), else the CPU."""
     if wanted != "auto":
         return wanted
-    try:
-        import onnxruntime as ort
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return CPU
-        import cupy
-        return "cuda:0" if cupy.cuda.runtime.getDeviceCount() > 0 else CPU
-    except Exception:   # no cupy, or a CUDA runtime without a driver
-        return "cpu"
+    gpus = visible_gpus()
+    return f"cuda:{gpus[0]}" if gpus else CPU
 
 
 def _smi(query: str, index: int) -> Optional[str]:

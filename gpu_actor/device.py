@@ -240,6 +240,24 @@ class StandInDevice(CpuDevice):
             time.sleep(max(fixed + per_frame * size - (time.perf_counter() - t0), 0.0))   # (the GIL is free)
 
 
+def cuda_provider() -> bool:
+    """Whether this onnxruntime has its CUDA provider (the gpu extra, onnxruntime-gpu)."""
+    import onnxruntime as ort
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def visible_gpus() -> list[int]:
+    """The GPUs a worker could run on here: none without onnxruntime's CUDA provider, else those cupy
+    counts (none where cupy or the driver is missing)."""
+    if not cuda_provider():
+        return []
+    try:
+        import cupy
+        return list(range(cupy.cuda.runtime.getDeviceCount()))
+    except Exception:   # no cupy, or a CUDA runtime without a driver
+        return []
+
+
 def is_gpu(device: str) -> bool:
     """Whether a worker's device string names a GPU ("cuda:N") rather than the CPU provider: the one place
     outside the device classes that tells them apart (tests/test_layout.py)."""

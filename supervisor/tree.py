@@ -94,20 +94,18 @@ def resolve_devices(config: Config, role: str = "all") -> list[str]:
 
 
 def _local_devices(config: Config) -> list[str]:
+    from gpu_actor.device import cuda_provider, visible_gpus   # NOTE: here: onnxruntime only where asked
     inf = config.inference
     wanted = inf.devices
     if wanted == "cpu":
         gpus: list[int] = []
+    elif wanted == "auto":
+        gpus = visible_gpus()
     else:
-        import onnxruntime as ort
-        has_cuda = "CUDAExecutionProvider" in ort.get_available_providers()
-        if wanted == "auto":
-            gpus = list(range(_cuda_device_count())) if has_cuda else []
-        else:
-            if not has_cuda:
-                raise StartError(f"inference.devices lists GPUs {list(wanted)} but onnxruntime has no CUDA provider "
-                                 "(install the gpu extra: LIPSYNC_EXTRAS=gpu), or set inference.devices: cpu")
-            gpus = list(wanted)
+        if not cuda_provider():
+            raise StartError(f"inference.devices lists GPUs {list(wanted)} but onnxruntime has no CUDA provider "
+                             "(install the gpu extra: LIPSYNC_EXTRAS=gpu), or set inference.devices: cpu")
+        gpus = list(wanted)
     devices = [f"cuda:{g}" for g in gpus] or ["cpu"]
     return [d for d in devices for _ in range(inf.workers_per_device)]
 
@@ -124,14 +122,6 @@ def check_models_dir(config: Config) -> None:
     if not os.access(path, os.R_OK | os.X_OK):
         raise StartError(f"models_dir: {path} cannot be read by this user (uid {os.getuid()}); fix its "
                          "permissions or set models_dir")
-
-
-def _cuda_device_count() -> int:
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
 
 
 class Supervisor:
