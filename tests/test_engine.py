@@ -31,7 +31,7 @@ def ends(actions) -> list:
 
 def held(e: Scheduler) -> dict:
     """What the engine still holds for anyone: must be nothing once every request has ended."""
-    return {"requests": len(e.table), "slots": sum(w.holding for w in e.workers) + sum(map(len, getattr(e.room, "held", {}).values())),
+    return {"requests": len(e.table), "slots": sum(map(len, e.room.held.values())),
             "active": sum(len(w.active) for w in e.workers) + sum(len(c.active) for c in e.compositors),
             "queued": sum(len(w.queue) for w in e.workers), "connections": e.table.connections()}
 
@@ -324,7 +324,7 @@ def test_requests_hold_the_input_room_their_inputs_take_and_the_most_urgent_wait
     of a large one, and a request that does not fit holds back the less urgent ones behind it."""
     import numpy as np
 
-    from config.geometry import VISUAL_BYTES
+    from config.geometry import MOUTH_BYTES, VISUAL_BYTES
     from frontend.core.request import Inputs
     from frontend.core.slots import RingRoom
     from shm.ring import RingSpec, SlotRing
@@ -332,7 +332,7 @@ def test_requests_hold_the_input_room_their_inputs_take_and_the_most_urgent_wait
     ring = SlotRing.create(RingSpec.in_pages(shm_name, 1, 4 * VISUAL_BYTES + 4096, VISUAL_BYTES))
     ring.become_writer()
     try:
-        e = Scheduler(["cpu0"], 1, RingRoom([ring], 16), 16)
+        e = Scheduler(["cpu0"], 1, RingRoom([ring], [RingSpec("out", 16, MOUTH_BYTES)]), 16)
         e.process_event("gpu", 0, ProcState.READY, pid=100)
         e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.LOADED))
         e.process_event("cpu", 0, ProcState.READY, pid=200)
@@ -356,7 +356,7 @@ def test_requests_hold_the_input_room_their_inputs_take_and_the_most_urgent_wait
         assert [a.request for a in of(e.infer_done(InferDone(req=big.req, worker=0, ok=True)), Dispatch)] == [later]
 
         # Frames in flight are bounded too (the output ring's): small inputs do not let a burst past it.
-        room = RingRoom([ring], 3)
+        room = RingRoom([ring], [RingSpec("out", 3, MOUTH_BYTES)])   # an output ring of 3 frames
         room.reset(0)
         first, second = request(2, False, 1.0), request(2, False, 2.0)
         first.req, second.req = 101, 102

@@ -99,7 +99,7 @@ class BridgeServer(Shell):
         for ring in inputs:
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
-        engine = Scheduler(list(run.devices), 0, RingRoom(inputs, config.shm.slots * config.limits.max_batch), config.limits.queue_depth,
+        engine = Scheduler(list(run.devices), 0, RingRoom(inputs, run.output_rings), config.limits.queue_depth,
                            config.frontend.routing, STATS_WAIT_S)
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it

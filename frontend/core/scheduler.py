@@ -136,7 +136,6 @@ class WorkerState:
     state: ProcState = ProcState.STARTING
     pid: Optional[int] = None
     restarts: int = 0
-    holding: int = 0                               # requests holding room in its input ring
     queue: deque = field(default_factory=deque)    # Requests waiting for room or for their model
     active: set[int] = field(default_factory=set)  # every request assigned here and not ended
     models: set[str] = field(default_factory=set)  # loaded, as far as its ModelEvents tell
@@ -326,7 +325,6 @@ class Scheduler:
                 break   # NOTE: the most urgent waits for room first: smaller requests do not pass it
             plan = self._plan(r) if r.kind is Kind.COMPOSITE else []
             worker.queue.remove(r)
-            worker.holding += 1
             r.in_slot = r.dispatched = True
             r.state = State.RUNNING
             actions.append(Dispatch(r, worker.index, plan))
@@ -391,7 +389,6 @@ class Scheduler:
         worker = self.workers[msg.worker]
         actions: list[Action] = []
         r.in_slot = False
-        worker.holding -= 1
         self.room.free(worker.index, r.req)
         r.timing.update(queue_ms=msg.queue_ms, input_ms=msg.input_ms, inference_ms=msg.inference_ms)
         if not msg.ok:
@@ -495,7 +492,6 @@ class Scheduler:
         if isinstance(proc, WorkerState):
             proc.models.clear()
             proc.warming.clear()
-            proc.holding = 0
             self.room.reset(index)
         return actions
 
@@ -564,7 +560,6 @@ class Scheduler:
                         actions += self._finish(waiting, code, message, pump=False)
             if index == r.worker:
                 if r.in_slot:
-                    worker.holding -= 1
                     self.room.free(index, r.req)
                 if r.dispatched:
                     actions.append(ReleaseOutput(index, r.req))

@@ -10,36 +10,40 @@ import numpy as np
 
 from config.geometry import audio_offset
 from frontend.core.request import Request
-from shm.ring import RingError, SlotRing, TensorRef
+from shm.ring import RingError, RingSpec, SlotRing, TensorRef
 
 
 class RingRoom:
     """The engine's room (core/scheduler.Room) in the workers' input rings: a request holds the adjacent
-    slots its inputs take, and a worker holds at most `frames` frames in flight (what its output ring
-    holds: shm.slots x limits.max_batch), so a burst of small-input requests waits here, where
+    slots its inputs take, and a worker holds at most as many frames in flight as its output ring has
+    slots (`outputs`: their specs; a slot a frame), so a burst of small-input requests waits here, where
     limits.queue_depth bounds it, not in the worker. One that can never fit is let through:
     `write_inputs` fails it, naming the setting."""
 
-    def __init__(self, rings: Sequence[SlotRing], frames: int):
-        self.rings, self.frames = rings, frames
-        self._held: list[dict[int, int]] = [{} for _ in rings]   # per worker: request -> frames
+    def __init__(self, rings: Sequence[SlotRing], outputs: Sequence[RingSpec]):
+        self.rings = rings
+        self.frames = [spec.n_slots for spec in outputs]
+        self.held: list[dict[int, int]] = [{} for _ in rings]   # per worker: request -> its frames
+        self._in_flight = [0] * len(rings)                      # per worker: their sum
 
     def take(self, worker: int, r: Request) -> bool:
-        ring, held = self.rings[worker], self._held[worker]
-        if held and sum(held.values()) + r.batch > self.frames:
+        ring, held = self.rings[worker], self.held[worker]
+        if held and self._in_flight[worker] + r.batch > self.frames[worker]:
             return False
         count = ring.slots_for(r.inputs.nbytes(r.batch))
         if count <= ring.spec.n_slots and ring.try_acquire(r.req, count) is None:
             return False
         held[r.req] = r.batch
+        self._in_flight[worker] += r.batch
         return True
 
     def free(self, worker: int, req: int) -> None:
-        self._held[worker].pop(req, None)
+        self._in_flight[worker] -= self.held[worker].pop(req, 0)
         self.rings[worker].release_request(req)
 
     def reset(self, worker: int) -> None:
-        self._held[worker].clear()
+        self.held[worker].clear()
+        self._in_flight[worker] = 0
         self.rings[worker].become_writer()
 
 

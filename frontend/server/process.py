@@ -89,8 +89,8 @@ class Frontend(Shell):
         for ring in inputs:
             ring.become_writer()   # the frontend is the one writer of every input ring
         to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
-        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), RingRoom(inputs, config.shm.slots * lim.max_batch), lim.queue_depth,
-                           config.frontend.routing)
+        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), RingRoom(inputs, run.output_rings),
+                           lim.queue_depth, config.frontend.routing)
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
