@@ -24,7 +24,7 @@ from config.assets import ModelPaths, load_assets
 from config.geometry import crop_328
 from cpu_actor.composite import encode_image, mouth_to_uint8, paste
 from lipsync_client import AsyncClient
-from gpu_actor.runner import ModelRunner
+from gpu_actor.own_session import OwnSessionRunner
 from gpu_actor.visual import build_visual
 from tests.helpers import base_config, run_server
 
@@ -37,7 +37,7 @@ def bare_per_frame(avatar: Path, rounds: int = 8) -> dict:
     backgrounds = [assets.decode(i)[0] for i in range(min(assets.n_frames, BATCH))]
     crops = [crop_328(bg, assets.rects[i]) for i, bg in enumerate(backgrounds)]
     cv2.setNumThreads(1)   # as in a compositing process
-    runner = ModelRunner(avatar / "model.onnx", threads=1)
+    runner = OwnSessionRunner(avatar / "model.onnx", threads=1)
     audio = np.zeros((BATCH, 32, 16, 16), np.float32)
     visual = np.empty((BATCH, 6, 320, 320), np.float32)
     mouths = np.empty((BATCH, 3, 320, 320), np.float32)

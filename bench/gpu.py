@@ -10,7 +10,7 @@ The sections, in the order of their value (a run cut short keeps the first ones)
 4. live JPEG levels, 27 % speaking: audio windows, then 16 kHz PCM in 20-ms chunks in real time;
 5. distinct models: `session_open` -> the first speech frame and device MiB per model; one model's
    load while sessions speak (their speech missed during it);
-6. the rest: a model's own session against its architecture's shared session (weights bound per call),
+6. the rest: a model's own session against its architecture's prepared session (weights bound per call),
    calls alternating between shapes, served `infer` once per further variant (`--variants`: fp16,
    fp32+graphs, fp16+graphs, i.e. inference.precision and inference.cuda_graphs), each on a server of
    its own, all against the fp32 anchor in one table; how many models stay resident on the device.
@@ -546,7 +546,7 @@ def _model_sections(r: SectionRunner, root: Path, models: Path, demo: Path, main
 
     # on a GPU: the own session's first calls at two sizes (twice: a further model), the shared one's at every size
     own_sizes = 2 if is_gpu(o.device) else 1
-    r.section("own_vs_shared", f"a model's own session vs its architecture's shared session (weights bound per call), "
+    r.section("own_vs_shared", f"a model's own session vs its architecture's prepared session (weights bound per call), "
               f"the {o.model} model on {o.device}"
               + (" (the shared one as on the stand-in device)" if not is_gpu(o.device) else
                  " (both with inputs on the device: no host copies)")

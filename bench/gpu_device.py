@@ -116,7 +116,7 @@ def _resident_call(session, io, device: str, batch: int, rng: np.random.Generato
 
 def _own_session(model: Path, dev):
     """`model` in a session of its own on `dev` (a gpu_actor device), made as a worker makes one."""
-    from gpu_actor.runner import own_session
+    from gpu_actor.own_session import own_session
     return own_session(model, dev, 0)
 
 
@@ -153,24 +153,24 @@ def anchor_fps(batch: int, sizes: tuple[int, ...], a: dict) -> float:
     return batch / sum(a[step.size]["ms"] for step in BatchShapes(sizes).plan(batch)) * 1000
 
 
-# -- a model's own session against its architecture's shared session -------------------------------
+# -- a model's own session against its architecture's prepared session -------------------------------
 
 def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, seconds: float) -> dict:
-    """`model` in a session of its own and in its architecture's shared session (weights bound per call)
+    """`model` in a session of its own and in its architecture's prepared session (weights bound per call)
     on one device: each one's time to be ready and the memory it took, then a further model's (`further`,
     other weights); then ms per frame at batch 1 and at the largest prepared size (on the CPU 1 only),
     in interleaved rounds of one call each, for `seconds` per batch.
 
-    On the CPU the own session is a worker's (gpu_actor/runner.ModelRunner, its warm-up included) and
-    the shared one the stand-in device's (gpu_actor/shared.SharedRunner on the CPU provider), each run as
+    On the CPU the own session is a worker's (gpu_actor/own_session.OwnSessionRunner, its warm-up included) and
+    the shared one the stand-in device's (gpu_actor/architectures.PreparedRunner on the CPU provider), each run as
     a worker runs it. On a GPU the own session is the anchor's, its inputs on the device, and the shared
     call is the prepared session run on its staging buffers with the model's weights bound: neither pays
     the host copies a worker adds (served infer has them)."""
     import onnx   # noqa: F401  NOTE: imported before memory is measured: the shared load needs them
-    import gpu_actor.preprocess  # noqa: F401
+    import gpu_actor.visual_onnx  # noqa: F401
+    from gpu_actor.architectures import Architectures
     from gpu_actor.cuda import CudaDevice
     from gpu_actor.device import StandInDevice
-    from gpu_actor.shared import Architectures
     gpu = is_gpu(device)
     dev = CudaDevice(device) if gpu else StandInDevice(0.0)
     sizes = dev.sizes(max_batch if gpu else 1)
@@ -201,14 +201,14 @@ def own_vs_shared(model: Path, further: Path, device: str, max_batch: int, secon
 def _own_calls_cpu(model: Path, dev, batches: tuple[int, ...], rng) -> dict:
     """A worker's session of the model's own on the CPU provider, loaded as a worker loads it."""
     from gpu_actor.device import CpuDevice
-    from gpu_actor.runner import ModelRunner
-    runner = ModelRunner(model, CpuDevice(), threads=0)
+    from gpu_actor.own_session import OwnSessionRunner
+    runner = OwnSessionRunner(model, CpuDevice(), threads=0)
     runner.warm_up()
     return _run_calls(runner, batches, rng)
 
 
 def _run_calls(runner, batches: tuple[int, ...], rng) -> dict:
-    """batch -> a call of `runner.run` (a ModelRunner's or a SharedRunner's) on random inputs made once."""
+    """batch -> a call of `runner.run` (an OwnSessionRunner's or a PreparedRunner's) on random inputs made once."""
     calls = {}
     for b in batches:
         visual = rng.random((b, 6, 320, 320), dtype=np.float32)
@@ -229,21 +229,16 @@ def _own_calls_gpu(model: Path, dev, batches: tuple[int, ...], rng) -> dict:
 
 
 def _shared_calls(runner, dev, batches: tuple[int, ...], rng) -> dict:
-    """The CPU: SharedRunner.run as a worker calls it. A GPU: the prepared session at each batch with the
-    model's weights and the staging buffers (random inputs uploaded once) bound, as the runner binds them."""
+    """The CPU: PreparedRunner.run as a worker calls it. A GPU: the prepared architecture's call at each
+    batch, bound as the runner binds it (Prepared.binding), on random inputs uploaded once."""
     if not is_gpu(dev.name):
         return _run_calls(runner, batches, rng)
-    p, calls = runner.prepared, {}
+    p, own, calls = runner.prepared, {}, {}
     for b in batches:
-        binding = p.sessions[b].io_binding()
-        for name, view in zip(p.architecture.weights, runner.weights.views):
-            dev.bind(binding, name, view)
         dev.upload(p.visual[:b], rng.random((b, 6, 320, 320), dtype=np.float32))
         dev.upload(p.audio[:b], rng.standard_normal((b, *p.io.audio_shape)).astype(np.float32))
-        dev.bind(binding, p.io.visual, p.visual[:b])
-        dev.bind(binding, p.io.audio, p.audio[:b])
-        dev.bind(binding, p.io.output, p.out[:b], output=True)
-        calls[b] = lambda s=p.sessions[b], bd=binding, n=b: dev.run(s, bd, n)
+        binding = p.binding(runner.weights, b, own)   # (the worker's own binding of the model at b)
+        calls[b] = lambda n=b, bd=binding: p.call(n, bd)
     return calls
 
 
@@ -270,7 +265,7 @@ def print_own_vs_shared(r: dict, reference: bool) -> None:
     weights = r["weights_mib"]
     print("  the model's weights: " + (f"{weights:.1f} MiB" if weights >= 1 else f"{weights * 1024:.1f} KiB"))
     print(f"  {'':14} {'ready ms':>9} {'MiB (' + mem + ')':>13} {'a further model ms':>19} {'MiB (' + mem + ')':>13}")
-    for name, label in (("own", "own session"), ("shared", "shared session")):
+    for name, label in (("own", "own session"), ("shared", "prepared session")):
         ready, further = r[name]["ready"], r[name]["further"]
         print(f"  {label:14} {ready['ms']:9.0f} {ready['mib']:13.1f} {further['ms']:19.0f} {further['mib']:13.1f}")
     print(f"  {'batch':>5} {'own ms/frame':>13} {'shared ms/frame':>16} {'shared/own':>11} {'rounds':>7}")

@@ -42,8 +42,8 @@ CPU_FRAME_MS = {"unet328": 250.0, "tiny": 15.0}   # priors (bench/gpu.py's), unt
 
 def _models(kind: str, audio: str, count: int):
     """The architecture and `count` models' weights, stacked: {name: [count, *shape]}."""
-    from gpu_actor.graphs import split_proto
     from gpu_actor.model_builder import build_model
+    from gpu_actor.model_split import split_proto
     split = split_proto(build_model(kind=kind, audio=audio, seed=1), Path(f"{kind}.onnx"))
     rng = np.random.default_rng(0)
     stacked = {}

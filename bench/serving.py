@@ -25,8 +25,8 @@ AUDIO = (32, 16, 16)
 
 def raw_ort(model: Path, batch: int, seconds: float) -> float:
     """Frames/s of onnxruntime alone, the session made as an inference worker makes it."""
-    from gpu_actor.runner import ModelRunner
-    runner = ModelRunner(model, threads=0)
+    from gpu_actor.own_session import OwnSessionRunner
+    runner = OwnSessionRunner(model, threads=0)
     rng = np.random.default_rng(0)
     visual = rng.random((batch, 6, 320, 320), dtype=np.float32)
     audio = rng.standard_normal((batch, *AUDIO)).astype(np.float32)

@@ -5,12 +5,12 @@ Three devices:
 
 - `CpuDevice` ("cpu"): one onnxruntime session per model (the CPU provider prepacks constant weights:
   a real-size unet_328 frame costs 90.5 ms so against 207.3 ms with its weights as inputs on a 2-core
-  x86 host, `python -m bench gpu --stand-in 1.0`), one frame per call (gpu_actor/runner.py says why).
+  x86 host, `python -m bench gpu --stand-in 1.0`), one frame per call (gpu_actor/own_session.py says why).
 - `CudaDevice` ("cuda:N", gpu_actor/cuda.py): one prepared session per architecture and batch size, each
-  model's weights resident on the device and bound per call (gpu_actor/prepared.py, gpu_actor/shared.py),
-  buffers in cupy, the host thread blocking (not spinning) while the GPU works.
+  model's weights resident on the device and bound per call (gpu_actor/prepared.py,
+  gpu_actor/architectures.py), buffers in cupy, the host thread blocking (not spinning) while the GPU works.
 - `StandInDevice`: the GPU's batching on the CPU provider, for tests and benches where there is no
-  GPU. It runs exactly what a CudaDevice runs (shared sessions, prepared sizes, padding, staging copies,
+  GPU. It runs exactly what a CudaDevice runs (prepared sessions, prepared sizes, padding, staging copies,
   the audio encoder at prepared sizes, sessions on the calling thread) and stops for `stall_s` on the
   first call of every session it made at each input shape, as cuDNN does while it builds its plans for a
   shape (1.4-5.7 s on an H100). The environment variable LIPSYNC_STAND_IN_STALL_S=<seconds> makes a
@@ -50,7 +50,7 @@ STAND_IN_COST_ENV = "LIPSYNC_STAND_IN_COST_MS"
 
 class Device(Protocol):
     """What the runners and the registry ask of a device (each implementation below has all of it:
-    tests/test_shared.py checks, since CudaDevice runs nowhere a test can)."""
+    tests/test_architectures.py checks, since CudaDevice runs nowhere a test can)."""
 
     name: str
     shared_weights: bool   # one prepared session per architecture, weights bound per call

@@ -1,6 +1,6 @@
 """An architecture's N-model form: one call runs n frames, frame i with model i's weights.
 
-Every avatar is one architecture with other weights (gpu_actor/graphs.py), so frames of different avatars
+Every avatar is one architecture with other weights (gpu_actor/model_split.py), so frames of different avatars
 could share a device call if each op took its own model's weights per frame. `grouped_graph(arch, n)` is
 the architecture at a fixed batch n whose weight inputs are stacked, [n, *shape] (row i: frame i's model's
 tensor, so a worker fills a row by copying that model's buffer), and whose weight ops run per frame, as
@@ -71,7 +71,7 @@ class GroupError(ValueError):
 
 
 def grouped_graph(architecture, n: int, pointwise: str = "conv") -> bytes:
-    """The serialized N-model form of `architecture` (gpu_actor/graphs.Architecture) at batch `n`: its
+    """The serialized N-model form of `architecture` (gpu_actor/model_split.Architecture) at batch `n`: its
     data inputs and output with batch n, each weight an input of its own name and shape [n, *shape].
     `pointwise`: "conv" runs 1x1 convolutions as grouped convolutions too, "matmul" as batched MatMuls."""
     import onnx

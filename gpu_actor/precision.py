@@ -12,7 +12,7 @@ finds how many leading convolutions must stay float32 for the composited crop to
 fp32's, on the worker's device. Which precisions a device runs is the device's (`Device.precisions`:
 the CPU provider runs fp32 only, gpu_actor/device.py says why).
 
-The crops graph that makes a GPU worker's visual input (gpu_actor/preprocess.py) is a session of its
+The crops graph that makes a GPU worker's visual input (gpu_actor/visual_onnx.py) is a session of its
 own, never converted: it stays float32 and equal to build_visual's, and the converted model's input
 Cast takes its output to float16.
 """
@@ -28,8 +28,8 @@ from typing import Optional
 import numpy as np
 import onnx
 
+from gpu_actor.model_split import Architecture, Split, split_proto
 from gpu_actor.onnx_sessions import session_options
-from gpu_actor.graphs import Architecture, Split, split_proto
 
 log = logging.getLogger(__name__)
 FP16_MIN_PSNR_DB = 45.0  # inference.precision fp16: the crop's PSNR against fp32's

@@ -6,8 +6,9 @@ A `Prepared` architecture holds a session per prepared batch size (cuDNN rebuild
 its input shape changes, so calls that alternate sizes would pay again in one session), each warmed once,
 largest first, before any model of the architecture is ready: after that no call ever meets a new shape.
 Its staging buffers (visual, audio, output at the largest size) are allocated once on the device and
-never move; `stage` fills them with a step's rows. With CUDA graphs it owns the one weight slot its
-graphs replay. Its N-model form, where ready (gpu_actor/mixed.py), runs several models' rows in one call.
+never move; `stage` fills them with a step's rows. With CUDA graphs its calls go through the one weight
+slot its graphs replay (gpu_actor/cuda_graphs.GraphSlot). Its N-model form, where ready
+(gpu_actor/mixed.py), runs several models' rows in one call.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import numpy as np
 
 from config.assets import AssetError, ModelIO, classify_io
 from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
-from gpu_actor.graphs import Architecture
+from gpu_actor.cuda_graphs import GraphSlot
 from gpu_actor.mixed import GroupedCalls
+from gpu_actor.model_split import Architecture
 from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
 from gpu_actor.runner import Part, check_audio, dims
 from gpu_actor.shapes import BatchShapes
@@ -32,8 +34,6 @@ from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 
-CAPTURE_RUNS = 3         # CUDA graphs: the main thread's calls per size held under the device's lock (onnxruntime
-                         # 1.31 captures inside a thread's first run: two plain runs, then the capture)
 
 
 class Prepared:
@@ -41,8 +41,7 @@ class Prepared:
 
     Threads: the load thread makes it and prepares it, holding `device.lock` around each call into the
     device, never a whole load; the main thread runs it. With CUDA graphs the main thread captures each
-    size at its first call there (onnxruntime keeps a graph per thread), holding the lock meanwhile, and
-    a size whose capture fails runs plainly from then on."""
+    size at its first calls there (gpu_actor/cuda_graphs.GraphSlot)."""
 
     def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, spin: bool,
                  graphs: bool = False, mixed: str = "auto"):
@@ -70,9 +69,9 @@ class Prepared:
             [(o.name, dims(o.shape)) for o in first.get_outputs()], f"architecture {architecture.key}")
         self.shapes = BatchShapes(device.sizes(max_batch, self.io.batch))
         self.sessions = {size: first if size == self.shapes.largest else session(graphs) for size in self.shapes.sizes}
-        # the avatar's crops become the visual input on the device (gpu_actor/preprocess.py): a crop is
+        # the avatar's crops become the visual input on the device (gpu_actor/visual_onnx.py): a crop is
         # 0.32 MB on the bus where its float input is 2.46 MB; a client's own visual input goes as it is
-        from gpu_actor.preprocess import visual_graph   # NOTE: here: it imports onnx, which READY does not need
+        from gpu_actor.visual_onnx import visual_graph   # NOTE: here: it imports onnx, which READY does not need
         crops_graph = visual_graph().SerializeToString()
         largest = self.shapes.largest
         with self.lock:
@@ -82,15 +81,12 @@ class Prepared:
             self.out = device.empty((largest, *MOUTH_SHAPE))
             self.crops = device.empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
             self.crops_host = device.host_empty((largest, CROP_SIZE, CROP_SIZE, 3), np.uint8)
-            # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured); the
-            # model whose weights it holds now. Without: each model's own buffer is bound.
-            self.slot: Optional[Weights] = Weights(device, architecture) if graphs else None
+            # CUDA graphs: every call binds one weight slot (a graph replays the addresses it captured).
+            # Without: each model's own buffer is bound.
+            self.graph_slot: Optional[GraphSlot] = \
+                GraphSlot(device, architecture, self.shapes.sizes, self._bind) if graphs else None
         self._crop_bindings: dict[int, object] = {}
-        self.users: weakref.WeakSet = weakref.WeakSet()   # its SharedRunners: in use while any lives
-        self.slot_owner: Callable[[], Optional[Weights]] = lambda: None
-        self._slot_bindings: dict[int, object] = {}
-        self.main_runs = dict.fromkeys(self.shapes.sizes, 0)   # the main thread's calls per size (captures)
-        self.plain: set[int] = set()            # CUDA graphs: sizes whose capture failed, run without graphs
+        self.users: weakref.WeakSet = weakref.WeakSet()   # its PreparedRunners: in use while any lives
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
         self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
@@ -129,7 +125,8 @@ class Prepared:
                             self.architecture.key, size, short(err))
                 dropped.append(size)
                 with self.lock:   # NOTE: its session goes now, its arena with it: bindings hold it too
-                    self._slot_bindings.pop(size, None)
+                    if self.graph_slot is not None:
+                        self.graph_slot.drop(size)
                     self._crop_bindings.pop(size, None)
                     del self.sessions[size]
                 continue
@@ -137,7 +134,6 @@ class Prepared:
                 self.frame_bytes = max(grown, 0) // size
         if dropped:
             self.shapes = BatchShapes(tuple(self.sessions))
-            self.main_runs = dict.fromkeys(self.shapes.sizes, 0)
 
     def prepare_grouped(self, weights: Callable[[], Optional[Weights]]) -> None:
         """`weights`: a model's, or None once it is gone (a weak reference: never held while preparing).
@@ -183,7 +179,7 @@ class Prepared:
         return self.grouped.call_s[size] < sub_calls
 
     def run_grouped(self, items: list[tuple[object, list[Part]]]) -> None:
-        """(The main thread) the parts of several models (each item: a SharedRunner, its parts) in one
+        """(The main thread) the parts of several models (each item: a PreparedRunner, its parts) in one
         call of the N-model form."""
         parts = [part for _, part_list in items for part in part_list]
         weights = [runner.weights for runner, part_list in items for part in part_list for _ in range(len(part.out))]
@@ -225,12 +221,9 @@ class Prepared:
 
     def _warm(self, size: int, weights: Weights) -> None:
         device, session = self.device, self.sessions[size]
-        if self.slot is not None:   # the binding every call uses: captured at these addresses
-            self.load_slot(weights)
-            binding = self.slot_binding(size)
-        else:   # (the staging buffers: no request runs this architecture before it is prepared)
-            binding = session.io_binding()
-            self._bind(binding, weights, size)
+        # with CUDA graphs the binding every call uses (captured at these addresses); else one of the
+        # staging buffers, used once (no request runs this architecture before it is prepared)
+        binding = self.binding(weights, size, {})
         # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
         # main thread's replays need their own: `call` captures them there)
         device.run(session, binding, size, graphs=False)
@@ -240,24 +233,23 @@ class Prepared:
         device.run(self.crop_session, self.crop_binding(size), size, graphs=False, model=False)
 
     def call(self, size: int, binding) -> None:
-        """(The main thread) one call at `size`. With CUDA graphs its first calls capture, holding the
-        device's lock (the load thread's calls into the device wait meanwhile); a size whose capture fails
-        runs without graphs from then on, this call included."""
-        device, session = self.device, self.sessions[size]
-        if self.slot is None or self.main_runs[size] >= CAPTURE_RUNS:
-            device.run(session, binding, size, graphs=size not in self.plain)
-            return
-        with self.lock.exclusive():
-            try:
-                device.run(session, binding, size, graphs=size not in self.plain)
-            except Exception as err:   # onnxruntime's own errors: a graph it runs but cannot capture
-                if size in self.plain:
-                    raise
-                log.warning("architecture %s: CUDA graph capture at batch %d failed (%s); that size runs without "
-                            "graphs", self.architecture.key, size, short(err))
-                self.plain.add(size)
-                device.run(session, binding, size, graphs=False)
-        self.main_runs[size] += 1
+        """(The main thread) one call at `size` (with CUDA graphs: captured at its first calls, replayed
+        after: gpu_actor/cuda_graphs.GraphSlot.run)."""
+        if self.graph_slot is None:
+            self.device.run(self.sessions[size], binding, size)
+        else:
+            self.graph_slot.run(self.sessions[size], binding, size)
+
+    def binding(self, weights: Weights, size: int, own: dict[int, object]):
+        """The binding a call at `size` with `weights` uses: with CUDA graphs the slot's (its weights copied
+        in), else the model's own, made once into `own` (its runner's, by size)."""
+        if self.graph_slot is not None:
+            return self.graph_slot.binding(self.sessions[size], weights, size)
+        binding = own.get(size)
+        if binding is None:
+            binding = own[size] = self.sessions[size].io_binding()
+            self._bind(binding, weights, size)
+        return binding
 
     def unstage(self, pieces: list, step) -> None:
         """(The main thread) after a model call at `step`: each staged piece's mouths to its part's `out`,
@@ -284,21 +276,6 @@ class Prepared:
                 "frames_per_call_histogram": {str(rows): n for rows, n in sorted(self.call_rows.items())},
                 "frames_per_call": round(frames / calls, 2) if calls else 0.0,
                 "padded_share": round(1 - frames / slots, 3) if slots else 0.0, "steps": dict(self.steps)}
-
-    def slot_binding(self, size: int):
-        """(CUDA graphs) the one binding at `size`: the weight slot and the staging buffers, made once."""
-        binding = self._slot_bindings.get(size)
-        if binding is None:
-            binding = self.sessions[size].io_binding()
-            self._bind(binding, self.slot, size)
-            self._slot_bindings[size] = binding
-        return binding
-
-    def load_slot(self, weights: Weights) -> None:
-        """(CUDA graphs) make the slot hold `weights`, unless it does."""
-        if self.slot_owner() is not weights:
-            self.slot.copy_from(weights)
-            self.slot_owner = weakref.ref(weights)
 
     def _bind(self, binding, weights: Weights, size: int) -> None:
         device = self.device

@@ -4,7 +4,7 @@ Loads run on one background thread, so a worker keeps serving its other models w
 loop learns of a finished load through `poll_loads`. On the CPU a load is a session of the model's own
 and its warm-up run; on a GPU (and the stand-in device) it is reading the weights and uploading them,
 and the first model of an architecture also prepares the architecture's session at every batch size
-(gpu_actor/shared.py) before it counts as loaded.
+(gpu_actor/architectures.py) before it counts as loaded.
 Caps: `inference.max_models_per_worker` and `inference.max_model_bytes` (a model's bytes: its weights
 on a GPU, the resident-memory delta of its load on the CPU). Over a cap the idle model chosen by
 `inference.eviction` (lru | lfu) goes; a model with work queued or running is never evicted. A load
@@ -26,10 +26,10 @@ import numpy as np
 
 from config.assets import AssetError
 from config.schema import InferenceConfig
+from gpu_actor.architectures import Architectures
 from gpu_actor.onnx_sessions import out_of_memory
-from gpu_actor.runner import ModelRunner, Runner
-from gpu_actor.shared import Architectures
-from shm.child import release_freed_memory
+from gpu_actor.own_session import OwnSessions
+from gpu_actor.runner import Loader, Runner
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,10 @@ class Registry:
         # behind it; like the load thread it holds the device's lock around each call into the device
         self._background = cf.ThreadPoolExecutor(1, thread_name_prefix="model-prepare",
                                                  initializer=self.device.bind_thread)
-        self.architectures = Architectures(device, max_batch, self._threads, self._spin, options.precision,
-                                           options.cuda_graphs, options.mixed_steps) if device.shared_weights else None
+        # how models become runners, chosen once from the device (gpu_actor/runner.py)
+        self.loader: Loader = Architectures(device, max_batch, self._threads, self._spin, options.precision,
+                                            options.cuda_graphs, options.mixed_steps) \
+            if device.shared_weights else OwnSessions(device, self._threads, self._spin)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -152,30 +154,22 @@ class Registry:
 
     def _load(self, model: str, path: Path) -> LoadResult:
         t0 = time.perf_counter()
-        before = self.device.memory_used()
         try:
-            if self.architectures is not None:
-                runner = self.architectures.load(path, model)
-                nbytes = runner.nbytes
-            else:
-                runner = ModelRunner(path, self.device, self._threads, self._spin)
-                runner.warm_up()
-                release_freed_memory()   # NOTE: else the file's bytes, freed, count as the model's
-                # The byte cap is checked on what the load really cost; never below the file's size.
-                nbytes = max(self.device.memory_used() - before, path.stat().st_size)
+            runner = self.loader.load(path, model)
             self._companions(model)
         except AssetError as err:
             return LoadResult(model, None, 0, 0.0, str(err), "unknown_model" if "missing" in str(err) else "bad_request")
         except Exception as err:  # a model must never take the worker down
             code = "out_of_memory" if out_of_memory(err) else "bad_request"
             return LoadResult(model, None, 0, 0.0, f"{path}: {type(err).__name__}: {str(err)[:300]}", code)
-        return LoadResult(model, runner, nbytes, (time.perf_counter() - t0) * 1000, None)
+        return LoadResult(model, runner, runner.nbytes, (time.perf_counter() - t0) * 1000, None)
 
-    def _prepare_grouped(self, runner: Callable[[], Optional[Runner]]) -> None:
-        """(The background thread) the N-model form of `runner`'s architecture, where it is due
-        (gpu_actor/shared.Architectures.prepare_grouped); a failure is logged: mixed steps run as sub-calls."""
+    def _prepare_more(self, runner: Callable[[], Optional[Runner]]) -> None:
+        """(The background thread) what serves `runner`'s model faster once ready, where due (an
+        architecture's N-model form: gpu_actor/architectures.Architectures.prepare_more); a failure is
+        logged: mixed steps run as sub-calls."""
         try:
-            self.architectures.prepare_grouped(runner)
+            self.loader.prepare_more(runner)
         except Exception:   # onnxruntime's own errors, or a bug: the models still serve, one call each
             log.exception("preparing an architecture's N-model form failed; its mixed steps run a call per model")
 
@@ -204,8 +198,8 @@ class Registry:
                 stats.frames_per_s = result.runner.frames_per_s
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
                 self._on_event(model, "loaded", result.load_ms, result.nbytes, stats.frames_per_s)
-                if self.architectures is not None:   # (a thread of its own: no avatar's load waits for it)
-                    self._background.submit(self._prepare_grouped, weakref.ref(result.runner))
+                # (a thread of its own: no avatar's load waits for it)
+                self._background.submit(self._prepare_more, weakref.ref(result.runner))
                 if model in self._unload_when_loaded:
                     self._unload_when_loaded.discard(model)
                     self._drop(model, "unloaded")

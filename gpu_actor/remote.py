@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import msgspec
 import numpy as np
@@ -37,7 +37,6 @@ from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, Mo
 from shm.ring import RingError, SlotRing
 
 log = logging.getLogger(__name__)
-FROM_HOST = (Pong, InferDone, LoadDone, StatsReport, Goodbye)
 FIRST_RESOLVE_S = 2.0     # a DNS slot waits this long at start for its first answer (then: vacant)
 
 class RemoteWorker:
@@ -80,6 +79,10 @@ class RemoteWorker:
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           StatsQuery: lambda m: self._send_host([pack(m)]),   # the host answers for all its workers
                           LoadModel: self._model_op, UnloadModel: self._model_op, ResetRequests: self._reset}
+        # what a GPU host sends, by type (each handler: the message and the frames after it)
+        self._host_handlers: dict[type, Callable[[object, list], None]] = {
+            Pong: lambda m, data: self._pong(m), InferDone: self._infer_done,
+            LoadDone: self._to_frontend, StatsReport: self._to_frontend, Goodbye: lambda m, data: self._goodbye()}
 
     def stop(self) -> None:
         self._stopping = True
@@ -243,32 +246,35 @@ class RemoteWorker:
 
     def _from_host(self, frames: list) -> None:
         msg = unpack(frames[0].buffer)
-        if not isinstance(msg, FROM_HOST):
+        handler = self._host_handlers.get(type(msg))
+        if handler is None:
             raise ValueError(f"a {type(msg).__name__} is not a message a GPU host sends")
-        if isinstance(msg, Pong):
-            self._last_pong = time.monotonic()
-            if msg.draining and not self._host_stopping:
-                log.info("GPU host %s is shutting down: it finishes (or answers) what it has, and takes no more",
-                         self.endpoint)
-            self._host_stopping = msg.draining
-            if msg.draining and self.state is ProcState.STOPPED:
-                return   # its last heartbeat answers, after its Goodbye
-            state = ProcState.READY if msg.workers_ready else ProcState.STARTING
-            if state != self.state:
-                log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
-                if self.state is not None or state is not ProcState.READY or self.watcher is not None:
-                    self._report(state)   # (a DNS slot says which host it now is)
-                self.state = state
-            self._sync_models({m for m in msg.loaded if valid_model_id(m)})
-        elif isinstance(msg, InferDone):
-            self._infer_done(msg, frames[1:])
-        elif isinstance(msg, (LoadDone, StatsReport)):
-            self.to_frontend.send(pack(msgspec.structs.replace(msg, worker=self.index)))
-        elif isinstance(msg, Goodbye):   # after its last replies: the host closes once it has this answer
-            self._send_host([pack(Goodbye())])
-            self._host_stopping = True
-            if self.state is not ProcState.STOPPED:
-                self._host_stopped()
+        handler(msg, frames[1:])
+
+    def _pong(self, msg: Pong) -> None:
+        self._last_pong = time.monotonic()
+        if msg.draining and not self._host_stopping:
+            log.info("GPU host %s is shutting down: it finishes (or answers) what it has, and takes no more",
+                     self.endpoint)
+        self._host_stopping = msg.draining
+        if msg.draining and self.state is ProcState.STOPPED:
+            return   # its last heartbeat answers, after its Goodbye
+        state = ProcState.READY if msg.workers_ready else ProcState.STARTING
+        if state != self.state:
+            log.info("GPU host %s is reachable, %d inference worker(s) ready", self.endpoint, msg.workers_ready)
+            if self.state is not None or state is not ProcState.READY or self.watcher is not None:
+                self._report(state)   # (a DNS slot says which host it now is)
+            self.state = state
+        self._sync_models({m for m in msg.loaded if valid_model_id(m)})
+
+    def _to_frontend(self, msg, data: list) -> None:   # LoadDone, StatsReport: as this worker's
+        self.to_frontend.send(pack(msgspec.structs.replace(msg, worker=self.index)))
+
+    def _goodbye(self) -> None:   # after its last replies: the host closes once it has this answer
+        self._send_host([pack(Goodbye())])
+        self._host_stopping = True
+        if self.state is not ProcState.STOPPED:
+            self._host_stopped()
 
     def _sync_models(self, loaded: set[str]) -> None:
         for model, event in [(m, "loaded") for m in loaded - self.loaded] + [(m, "unloaded") for m in self.loaded - loaded]:

@@ -1,58 +1,26 @@
-"""One ONNX model in a session of its own on the CPU provider: find its inputs by rank and shape, run a
-batch into a given buffer. (On a GPU, and on the stand-in device, models share one prepared session per
-architecture instead: gpu_actor/shared.py.)
+"""The runner contract: what the registry and the worker ask of a loaded model (`Runner`) and of the way a
+worker loads models (`Loader`), whichever the device. Two loaders, chosen once from the device
+(`Device.shared_weights`):
 
-The inputs are bound straight from their shared-memory views and the output straight into the
-destination slot (IO binding), so a batch costs no copy besides the model's own work.
-A model with a fixed batch dimension is run in chunks of that size, the last one padded.
-
-On the CPU a batch runs one frame per call (gpu_actor/shapes.py plans the calls, as on the GPU path),
-its visual input built just before the call (`run` takes a function for it): a call over B frames takes
-each op over all B frames before the next op, and at 320x320 a frame's input, output and intermediates
-(~5 MB) then fall out of the cache between ops. The bench's 1x1-conv model costs 0.79 ms a frame so,
-1.79 ms in calls of 8 with the visual input built for all 8 first; unet_328, compute-bound, costs the
-same either way (82 ms). Batches are for the GPU.
-One frame a call also bounds a request's memory whatever its batch: a frame's activations (~0.2 GB for
-a real-size unet_328), never a batch's.
+- gpu_actor/own_session.py, `OwnSessions`: a session per model (the CPU provider, where prepacked
+  constant weights run faster per frame than weights bound as inputs: gpu_actor/device.py);
+- gpu_actor/architectures.py, `Architectures`: one prepared session per architecture and batch size,
+  each model's weights bound per call (a GPU, and the stand-in device that behaves like one).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 import numpy as np
 
-from config.assets import AssetError, ModelIO, classify_io
-from config.geometry import VISUAL_SHAPE
-from gpu_actor.device import CpuDevice
-from gpu_actor.onnx_sessions import DeviceError, session_options, short
-from gpu_actor.shapes import BatchShapes
-
-if TYPE_CHECKING:
-    import onnxruntime as ort
-
-log = logging.getLogger(__name__)
+from config.assets import AssetError, ModelIO
 
 
 def dims(shape) -> list:
     return [d if isinstance(d, int) else None for d in shape]
-
-
-def own_session(path: Path, device, threads: int, spin: bool = False) -> ort.InferenceSession:
-    """A model file in a session of its own on `device`; AssetError says what is wrong with the file."""
-    if not path.exists():
-        raise AssetError(f"{path}: model file is missing")
-    # NOTE: onnxruntime is imported here (session_options), in the load thread: a worker imports it
-    # (20-30 ms) with its first model, not before READY (on a GPU, Device.check has imported it by then).
-    try:
-        return device.session(str(path), session_options(threads, spin))
-    except (DeviceError, MemoryError):
-        raise
-    except Exception as err:  # onnxruntime raises its own exception types for bad files
-        raise AssetError(f"{path}: onnxruntime cannot load it: {short(err)}") from None
 
 
 @dataclass
@@ -67,16 +35,16 @@ class Part:
 
 
 class Runner(Protocol):
-    """What the registry and the worker ask of a loaded model, whichever the device: `ModelRunner` here (a
-    session of its own, the CPU provider) or gpu_actor/shared.SharedRunner (its weights bound into its
-    architecture's prepared sessions, a GPU or the stand-in)."""
+    """A loaded model, whichever the device: gpu_actor/own_session.OwnSessionRunner (a session of its own)
+    or gpu_actor/architectures.PreparedRunner (its weights bound into its architecture's prepared sessions)."""
 
     io: ModelIO
-    nbytes: int              # what it holds on the device (0: measured by its load instead, on the CPU)
+    nbytes: int              # what it holds: its weights on a device that binds them, else what its load
+                             # cost in resident memory
     frames_per_s: float      # the most frames a second it runs, measured (0: not measured)
     group: object            # runners whose rows may share a worker's step (one prepared architecture:
                              # gpu_actor/prepared.Prepared, whose prefers_grouped and run_grouped run several
-                             # models' rows in one call; a ModelRunner is its own, one model)
+                             # models' rows in one call; an OwnSessionRunner is its own, one model)
     step_rows: int           # the most frames one call of it holds: a step's size
 
     def end_step(self, kind: str) -> list[tuple[int, int]]:
@@ -96,72 +64,19 @@ def check_audio(path: Path, io: ModelIO, audio: np.ndarray, batch: int) -> None:
                          f"got {list(audio.shape)}")
 
 
-class ModelRunner:
-    """A model in a session of its own on the CPU provider (module docstring)."""
 
-    frames_per_s = 0.0   # not measured: on the CPU, admission counts inference in the host's CPU (frontend/live)
-    nbytes = 0           # the registry measures what its load cost (resident memory)
 
-    def __init__(self, path: Path, device=None, threads: int = 0, spin: bool = False):
-        device = device or CpuDevice()
-        if device.shared_weights:
-            raise DeviceError(f"{path}: a model on {device.name} runs in its architecture's shared session "
-                              "(gpu_actor/shared.py), not a session of its own")
-        self.path, self.device = path, device
-        self.session = own_session(path, device, threads, spin)
-        self.io: ModelIO = classify_io(
-            [(i.name, dims(i.shape)) for i in self.session.get_inputs()],
-            [(o.name, dims(o.shape)) for o in self.session.get_outputs()], str(path))
-        # one frame a call (or the model's fixed batch), planned as the GPU path's calls are
-        self.shapes = BatchShapes(device.sizes(1, self.io.batch))
-        self.group, self.step_rows = self, self.shapes.largest   # a step: this model's rows, one call's worth
-        self._padded: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None   # a fixed batch's last call
+class Loader(Protocol):
+    """How a worker's models become runners (the registry's load thread calls it)."""
 
-    def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
-            out: np.ndarray) -> None:
-        """visual [B,6,320,320] (or a function giving frames [start, end) of it, called just before the
-        call that needs them), audio [B,*A], out [B,3,320,320]: float32, C-contiguous."""
-        batch = len(out)
-        check_audio(self.path, self.io, audio, batch)
-        frames = visual if callable(visual) else lambda start, end: visual[start:end]
-        for step in self.shapes.plan(batch):
-            rows = step.end - step.start
-            if not step.padding:
-                self._run(frames(step.start, step.end), audio[step.start:step.end], out[step.start:step.end])
-                continue
-            # a fixed-batch model's last call: padded with zero rows, the real frames kept
-            if self._padded is None:
-                self._padded = (np.zeros((step.size, *VISUAL_SHAPE), np.float32),
-                                np.zeros((step.size, *self.io.audio_shape), np.float32),
-                                np.empty((step.size, *out.shape[1:]), np.float32))
-            pad_v, pad_a, pad_o = self._padded
-            pad_v[:rows], pad_a[:rows] = frames(step.start, step.end), audio[step.start:step.end]
-            pad_v[rows:], pad_a[rows:] = 0, 0
-            self._run(pad_v, pad_a, pad_o)
-            out[step.start:step.end] = pad_o[:rows]
+    def load(self, path: Path, model: str = "") -> Runner:
+        """(The load thread) the model at `path` (its id: `model`) loaded, warmed and ready to run;
+        AssetError says what is wrong with its file."""
 
-    def end_step(self, kind: str) -> list[tuple[int, int]]:
-        """(Steps and calls are counted where calls hold many frames: gpu_actor/prepared.py.)"""
-        return []
+    def prepare_more(self, runner: Callable[[], Optional[Runner]]) -> None:
+        """(A thread beside the load thread, once `runner`, a weak reference, counts as loaded) what serves
+        its model faster once ready but no load waits for (an architecture's N-model form); nothing where
+        there is none."""
 
-    def run_parts(self, parts: list[Part]) -> None:
-        """Several requests' rows: one frame a call whatever the step, so each part runs as its own batch."""
-        for part in parts:
-            self.run(part.visual, part.audio, part.out)
-
-    def _run(self, visual: np.ndarray, audio: np.ndarray, out: np.ndarray) -> None:
-        binding = self.session.io_binding()
-        # NOTE: bound by address: the contiguous copies (if any) must live until the run
-        inputs = {self.io.visual: np.ascontiguousarray(visual), self.io.audio: np.ascontiguousarray(audio)}
-        for name, array in inputs.items():
-            self.device.bind(binding, name, array)
-        if not out.flags.c_contiguous:
-            raise ValueError("output buffer must be C-contiguous")
-        self.device.bind(binding, self.io.output, out, output=True)
-        self.device.run(self.session, binding, len(out))
-
-    def warm_up(self) -> None:
-        """Run once at load (a call of its size), so the first request does not pay for lazy initialisation."""
-        size = self.shapes.largest
-        out = np.empty((size, 3, 320, 320), np.float32)
-        self.run(np.zeros((size, *VISUAL_SHAPE), np.float32), np.zeros((size, *self.io.audio_shape), np.float32), out)
+    def describe(self) -> dict[str, dict]:
+        """What the loader holds beside the models, for stats (the prepared architectures), or {}."""

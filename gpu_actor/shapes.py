@@ -6,7 +6,7 @@ shape; docs/benchmarks.md), so a worker runs only at prepared sizes, each warmed
 depends on it: powers of two up to `limits.max_batch`, and `max_batch` itself. A batch is padded up to
 the next prepared size (padded rows are zeros whose outputs are dropped), which is never more than 2x
 for powers of two; a batch larger than the largest size runs as full chunks of it and one padded rest.
-On the CPU provider a worker runs one frame per call (gpu_actor/runner.py says why): one size, 1.
+On the CPU provider a worker runs one frame per call (gpu_actor/own_session.py says why): one size, 1.
 A model with a fixed batch dimension has that one size.
 """
 

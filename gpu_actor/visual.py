@@ -38,7 +38,7 @@ def build_visual(crops: list[np.ndarray], out: np.ndarray) -> None:
 
 class VisualFrames:
     """A batch's visual input, built on demand: `frames(start, end)` builds frames [start, end) into the
-    buffer's first rows and returns them (gpu_actor/runner.ModelRunner.run calls it per onnxruntime call,
+    buffer's first rows and returns them (gpu_actor/own_session.OwnSessionRunner.run calls it per onnxruntime call,
     so they are read while still in the cache); `spent_s` is the time building took."""
 
     def __init__(self, crops: list[np.ndarray], buffer: np.ndarray):

@@ -1,5 +1,5 @@
 """A model's weights in one buffer on its device: each tensor a view at an aligned offset, in its
-architecture's order (gpu_actor/graphs.Architecture).
+architecture's order (gpu_actor/model_split.Architecture).
 
 One allocation per model, not one per tensor (unet_328 has 186): the device memory a model holds is its
 weight bytes plus at most ALIGN per tensor, and one copy moves all of them. With CUDA graphs

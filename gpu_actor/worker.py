@@ -175,7 +175,7 @@ class InferenceWorker:
             req=msg.req, worker=self.index, device=self.device,
             models={m: s.as_dict() for m, s in self.registry.stats.items()},
             loaded=sorted(self.registry.loaded), queue=len(self.queue),
-            architectures=self.registry.architectures.describe() if self.registry.architectures else {})))
+            architectures=self.registry.loader.describe())))
 
     def _load_op(self, msg: LoadModel) -> None:
         if msg.pin < 0:   # a live session closed: the model may be evicted again (no answer)

@@ -23,7 +23,7 @@ SECTIONS = ("first call per shape after ready", "onnxruntime alone, inputs and o
             "served infer per batch, fp32", "live sessions on the tiny model",
             "live sessions speaking 16 kHz PCM on the tiny model",
             "live sessions speaking 16 kHz PCM, each on an avatar of its own", "model load -> first frame",
-            "a load while 1 sessions speak", "a model's own session vs its architecture's shared session",
+            "a load while 1 sessions speak", "a model's own session vs its architecture's prepared session",
             "calls alternating between shapes", "served infer per batch, fp16", "variants against the fp32 anchor",
             "models resident on the device")
 # the JSON's sections, in the order they run

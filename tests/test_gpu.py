@@ -51,8 +51,8 @@ def _atol(device) -> float:
 def test_the_shared_session_matches_the_cpu_provider_at_every_size(tmp_path, device):
     """One prepared session per architecture and batch size, the weights resident and bound per call:
     the CPU provider's results at sizes run whole, padded (3, 5) and split (11)."""
-    from gpu_actor.runner import ModelRunner
-    from gpu_actor.shared import Architectures
+    from gpu_actor.architectures import Architectures
+    from gpu_actor.own_session import OwnSessionRunner
     kind = "unet328" if _card(device) else "tiny"   # (the real size on the card; the stand-in runs on the CPU)
     paths = [write_model(tmp_path / f"m{k}.onnx", kind=kind, audio="ave", seed=k) for k in (1, 2)]
     archs = Architectures(device, 8, 0, False)
@@ -67,7 +67,7 @@ def test_the_shared_session_matches_the_cpu_provider_at_every_size(tmp_path, dev
         audio = rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
         for path, runner in zip(paths, runners):
             cpu_out, gpu_out = (np.empty((n, 3, 320, 320), np.float32) for _ in range(2))
-            ModelRunner(path).run(visual, audio, cpu_out)
+            OwnSessionRunner(path).run(visual, audio, cpu_out)
             runner.run(visual, audio, gpu_out)
             np.testing.assert_allclose(gpu_out, cpu_out, rtol=0, atol=_atol(device))
 
@@ -76,7 +76,7 @@ def test_a_model_on_the_device_holds_its_weights(tmp_path, device):
     """The first model of an architecture prepares it; each later one costs its weights on the device
     (on the card: its memory in use; on the stand-in: the weight bytes it accounts)."""
     from config.schema import InferenceConfig
-    from gpu_actor.graphs import split_model
+    from gpu_actor.model_split import split_model
     from gpu_actor.registry import Registry
     from gpu_actor.weights import ALIGN
     paths = {f"m{k}": write_model(tmp_path / f"m{k}.onnx", kind="unet328", seed=k) for k in range(4)}
@@ -101,8 +101,8 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
     """fp16 really runs (a fall-back to fp32, documented, would give equal crops: inf dB), its weights in
     float16. On the stand-in the CPU provider computes in float32 with the weights rounded: the card's
     float16 arithmetic is checked on the card."""
+    from gpu_actor.architectures import Architectures
     from gpu_actor.precision import crop, psnr
-    from gpu_actor.shared import Architectures
     path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="ave", seed=3)
     rng = np.random.default_rng(7)
     visual = rng.random((2, 6, 320, 320), dtype=np.float32)
@@ -121,9 +121,9 @@ def test_fp16_runs_in_float16_and_keeps_the_crop_within_45_db_of_fp32(tmp_path, 
 
 
 def test_the_crops_graph_builds_build_visuals_input_to_the_bit(device):
-    from gpu_actor.preprocess import visual_graph
     from gpu_actor.onnx_sessions import session_options
     from gpu_actor.visual import build_visual
+    from gpu_actor.visual_onnx import visual_graph
     crops = np.random.default_rng(4).integers(0, 256, (3, 328, 328, 3), dtype=np.uint8)
     want = np.empty((3, 6, 320, 320), np.float32)
     build_visual(list(crops), want)
@@ -138,27 +138,27 @@ def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_pa
     """inference.cuda_graphs: each size binds the architecture's one weight slot; a model's weights are
     copied in when another model ran last. On the card every call at a size is captured once, then
     replayed (no size fell back to plain runs); the stand-in runs the same bindings and locking."""
-    from gpu_actor.runner import ModelRunner
-    from gpu_actor.shared import Architectures
+    from gpu_actor.architectures import Architectures
+    from gpu_actor.own_session import OwnSessionRunner
     kind = "unet328" if _card(device) else "tiny"
     paths = [write_model(tmp_path / f"m{k}.onnx", kind=kind, audio="ave", seed=k) for k in range(2)]
     archs = Architectures(device, 4, 0, False, graphs=True)
     runners = [archs.load(p) for p in paths]
     prepared = runners[0].prepared
-    assert prepared.slot is not None, "the architecture's sessions were made without CUDA graphs"
+    assert prepared.graph_slot is not None, "the architecture's sessions were made without CUDA graphs"
     rng = np.random.default_rng(5)
     visual = rng.random((3, 6, 320, 320), dtype=np.float32)
     audio = rng.standard_normal((3, 32, 16, 16)).astype(np.float32)
     want = []
     for path in paths:
         want.append(np.empty((3, 3, 320, 320), np.float32))
-        ModelRunner(path).run(visual, audio, want[-1])
+        OwnSessionRunner(path).run(visual, audio, want[-1])
     for k in (0, 1, 1, 0, 1):
         got = np.empty((3, 3, 320, 320), np.float32)
         runners[k].run(visual, audio, got)
         np.testing.assert_allclose(got, want[k], rtol=0, atol=_atol(device))
-    from gpu_actor.prepared import CAPTURE_RUNS
-    assert not prepared.plain and prepared.main_runs[4] == CAPTURE_RUNS, (prepared.plain, prepared.main_runs)
+    from gpu_actor.cuda_graphs import CAPTURE_RUNS
+    assert not prepared.graph_slot.plain and prepared.graph_slot.runs[4] == CAPTURE_RUNS, (prepared.graph_slot.plain, prepared.graph_slot.runs)
 
 
 def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
@@ -166,7 +166,7 @@ def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
     would only wait for the GPU): a second architecture adds fewer threads than it has sessions."""
     import psutil
 
-    from gpu_actor.shared import Architectures
+    from gpu_actor.architectures import Architectures
     archs = Architectures(device, 16, 0, False)
     archs.load(write_model(tmp_path / "first.onnx", kind="tiny"))   # (CUDA's and onnxruntime's own threads)
     before = psutil.Process().num_threads()

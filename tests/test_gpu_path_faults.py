@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from config.schema import InferenceConfig
+from gpu_actor.architectures import Architectures
 from gpu_actor.device import StandInDevice
 from gpu_actor.model_builder import write_model
-from gpu_actor.registry import Registry
 from gpu_actor.onnx_sessions import DeviceError, new_session, out_of_memory, session_options
-from gpu_actor.runner import ModelRunner
-from gpu_actor.prepared import CAPTURE_RUNS
-from gpu_actor.shared import Architectures
+from gpu_actor.own_session import OwnSessionRunner
+from gpu_actor.cuda_graphs import CAPTURE_RUNS
+from gpu_actor.registry import Registry
 from tests.helpers import ROOT
 
 MAX_BATCH = 4
@@ -34,7 +34,7 @@ def _inputs(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def _cpu(path: Path, n: int) -> np.ndarray:
     out = np.empty((n, 3, 320, 320), np.float32)
-    ModelRunner(path).run(*_inputs(n), out)
+    OwnSessionRunner(path).run(*_inputs(n), out)
     return out
 
 
@@ -58,12 +58,12 @@ def test_a_size_whose_cuda_graph_capture_fails_runs_plainly_and_the_model_serves
     device = CaptureFails(size=2)
     runner = Architectures(device, MAX_BATCH, 0, False, graphs=True).load(path)
     prepared = runner.prepared
-    assert prepared.slot is not None and not prepared.plain
+    assert prepared.graph_slot is not None and not prepared.graph_slot.plain
     for n in (2, 2, 1, 2):
         out = np.empty((n, 3, 320, 320), np.float32)
         runner.run(*_inputs(n), out)
         np.testing.assert_allclose(out, _cpu(path, n), rtol=0, atol=1e-6)
-    assert prepared.plain == {2}   # the other sizes keep their graphs
+    assert prepared.graph_slot.plain == {2}   # the other sizes keep their graphs
 
 
 def test_the_load_thread_never_captures_and_the_main_thread_captures_under_the_devices_lock(tmp_path):
@@ -174,7 +174,7 @@ def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_sm
     archs = Architectures(Recording(2), 8, 0, False, graphs=True)
     runner = archs.load(path)
     second = archs.load(write_model(tmp_path / "m2.onnx", kind="tiny", seed=2))
-    archs.prepare_grouped(weakref.ref(second))   # (2 models of the architecture)
+    archs.prepare_more(weakref.ref(second))   # (2 models of the architecture)
     assert runner.prepared.shapes.sizes == (1, 2) and tuple(runner.prepared.grouped.sessions) == (2,)
     gc.collect()
     alive = [ref() for ref in made if ref() is not None]

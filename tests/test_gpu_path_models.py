@@ -1,8 +1,8 @@
 """Every model the CPU path serves, the GPU path serves with the same mouths: a table of small graphs, each
 the visual and audio inputs and the [B,3,320,320] output around one feature of ONNX files that split_model
-(gpu_actor/graphs.py) must carry into an architecture and its weights. Each is loaded both ways, in a
-session of its own (gpu_actor/runner.ModelRunner) and in its architecture's shared session with its weights
-bound per call (gpu_actor/shared.Architectures on the stand-in device), and run at batches 1, 3 and 4."""
+(gpu_actor/model_split.py) must carry into an architecture and its weights. Each is loaded both ways, in a
+session of its own (gpu_actor/own_session.OwnSessionRunner) and in its architecture's prepared session with its weights
+bound per call (gpu_actor/architectures.Architectures on the stand-in device), and run at batches 1, 3 and 4."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from config.assets import AssetError
+from gpu_actor.architectures import Architectures
 from gpu_actor.device import StandInDevice
-from gpu_actor.graphs import split_model
-from gpu_actor.runner import ModelRunner, Part
-from gpu_actor.shared import Architectures
+from gpu_actor.model_split import split_model
+from gpu_actor.own_session import OwnSessionRunner
+from gpu_actor.runner import Part
 from gpu_actor.weights import Weights
 
 BATCHES = (1, 3, 4)   # 3: padded to 4; 4: the largest prepared size
@@ -162,7 +163,7 @@ def test_a_model_the_cpu_path_serves_the_gpu_path_serves_with_the_same_mouths(tm
     path = save(build(1), tmp_path / case / "model.onnx")
     architecture = split_model(path).architecture
     assert dict(zip(architecture.weights, architecture.shapes)) == {**CONV, **weights}
-    cpu = ModelRunner(path)
+    cpu = OwnSessionRunner(path)
     gpu = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False).load(path, case)
     for n in BATCHES:
         want = _mouths(cpu, n)
@@ -179,7 +180,7 @@ def test_two_models_of_one_graph_share_its_session_each_with_its_own_weights(tmp
     assert len(archs.prepared) == 1 and runners[0].prepared is runners[1].prepared
     got = [[_mouths(runner, n) for n in BATCHES] for runner in runners]
     for path, mouths in zip(paths, got):
-        cpu = ModelRunner(path)
+        cpu = OwnSessionRunner(path)
         for n, batch in zip(BATCHES, mouths):
             np.testing.assert_allclose(batch, _mouths(cpu, n), rtol=0, atol=1e-5)
     assert not any(np.allclose(a, b, rtol=0, atol=1e-4) for a, b in zip(*got)), "one model's weights served both"
@@ -194,7 +195,7 @@ def test_a_constant_the_graph_reads_at_creation_keeps_models_with_other_values_a
     runners = [archs.load(path, f"g{k}") for k, path in enumerate(paths)]
     assert len(archs.prepared) == 2
     for path, runner in zip(paths, runners):
-        np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path), 3), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(_mouths(runner, 3), _mouths(OwnSessionRunner(path), 3), rtol=0, atol=1e-5)
 
 
 def test_a_weight_that_is_also_a_graph_output_is_refused_on_both_paths_for_its_second_output(tmp_path):
@@ -207,7 +208,7 @@ def test_a_weight_that_is_also_a_graph_output_is_refused_on_both_paths_for_its_s
                      tmp_path / name / "model.onnx")
         extra = re.escape(f"('{name}', [3, 1, 1])")
         with pytest.raises(AssetError, match=f"and 1 output, found .*{extra}"):
-            ModelRunner(path)
+            OwnSessionRunner(path)
         device = StandInDevice(0.0)
         with pytest.raises(AssetError, match=f"and 1 output, found .*{extra}"):
             Architectures(device, MAX_BATCH, 0, False).load(path, name)
@@ -245,7 +246,7 @@ def test_a_0_d_weight_uploads_to_a_gpu_in_its_own_shape(tmp_path):
     upload: a 0-d weight goes up 0-d, not as numpy's ascontiguousarray makes it ([1])."""
     path = _save(_model(_scalar, 1), tmp_path / "scalar" / "model.onnx")
     runner = Architectures(StandInDevice(0.0), MAX_BATCH, 0, False).load(path, "scalar")
-    np.testing.assert_allclose(_mouths(runner, 3), _mouths(ModelRunner(path), 3), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_mouths(runner, 3), _mouths(OwnSessionRunner(path), 3), rtol=0, atol=1e-5)
 
 
 def _chain(rng, *features):
@@ -280,7 +281,7 @@ def test_a_grouped_step_of_several_models_gives_each_frame_its_own_models_mouths
     paths = [save(build(seed), tmp_path / f"{case}{seed}" / "model.onnx") for seed in (1, 2)]
     archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
     runners = [archs.load(path, f"{case}{k}") for k, path in enumerate(paths)]
-    archs.prepare_grouped(weakref.ref(runners[1]))
+    archs.prepare_more(weakref.ref(runners[1]))
     prepared = runners[0].prepared
     assert runners[1].prepared is prepared
     assert prepared.grouped is not None and prepared.grouped.packed == (case != "float16_weight")
@@ -293,7 +294,7 @@ def test_a_grouped_step_of_several_models_gives_each_frame_its_own_models_mouths
     assert prepared.call_stats()["steps"] == {} and prepared.calls == {8: 1}
     for k, ((visual, audio), out) in enumerate(zip(inputs, outs)):
         want = np.empty_like(out)
-        ModelRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
+        OwnSessionRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-5, err_msg=f"{case}: part {k}")
 
 
@@ -304,7 +305,7 @@ def test_a_graph_the_n_model_form_cannot_express_runs_its_mixed_steps_as_a_call_
     paths = [save(build(seed), tmp_path / f"e{seed}" / "model.onnx") for seed in (1, 2)]
     archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed="grouped")
     runners = [archs.load(path, f"e{k}") for k, path in enumerate(paths)]
-    archs.prepare_grouped(weakref.ref(runners[1]))
+    archs.prepare_more(weakref.ref(runners[1]))
     assert runners[0].prepared.grouped is None and not runners[0].prepared.prefers_grouped([1, 1])
     assert "run one call per model" in caplog.text and "Add node" in caplog.text
-    np.testing.assert_allclose(_mouths(runners[1], 3), _mouths(ModelRunner(paths[1]), 3), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_mouths(runners[1], 3), _mouths(OwnSessionRunner(paths[1]), 3), rtol=0, atol=1e-5)

@@ -12,9 +12,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from gpu_actor.graphs import split_proto
 from gpu_actor.grouped import GroupError, grouped_graph, stacked_feeds
 from gpu_actor.model_builder import AUDIO_SHAPES, build_model
+from gpu_actor.model_split import split_proto
 from gpu_actor.precision import to_fp16
 
 TOLERANCE = 1e-5

@@ -22,8 +22,8 @@ import pytest
 
 from config import audio as A
 from lipsync_client import Session
-from gpu_actor.graphs import split_model
 from gpu_actor.model_builder import StateDictWeights, write_model
+from gpu_actor.model_split import split_model
 from supervisor.importer import ImportFailed
 from supervisor.importer.checkpoint import CheckpointError, read_checkpoint, write_state_dict
 from supervisor.importer.command import import_avatar
@@ -212,8 +212,8 @@ def test_the_imported_model_in_fp16_on_the_gpu_path_keeps_the_crop_within_45_db_
     convolutions in fp32 where the crop would fall under 45 dB of fp32's (all in fp16: 39.5 dB on this
     checkpoint). The mouth as the compositor pastes it, floor(255 * P), against fp32's: PSNR >= 45 dB,
     on other frames than the load's probe. On a card, tests/test_gpu.py."""
+    from gpu_actor.architectures import Architectures
     from gpu_actor.device import StandInDevice
-    from gpu_actor.shared import Architectures
     out = import_avatar(make_dataset(tmp_path / "data"), tmp_path / "models" / "may", checkpoint=files / "unet.pth",
                         progress=False).out
     rng = np.random.default_rng(12)

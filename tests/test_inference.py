@@ -12,13 +12,13 @@ import pytest
 
 from config.assets import AssetError
 from frontend.server.onnx_io import read_model_io
-from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
-from gpu_actor.registry import Registry
 from config.schema import InferenceConfig
 from gpu_actor.cuda import CudaDevice
 from gpu_actor.device import CpuDevice, make_device
+from gpu_actor.model_builder import AUDIO_SHAPES, build_model, describe, write_model
 from gpu_actor.onnx_sessions import DeviceError, new_session, session_options
-from gpu_actor.runner import ModelRunner, own_session
+from gpu_actor.own_session import OwnSessionRunner, own_session
+from gpu_actor.registry import Registry
 
 
 def _inputs(batch, audio_shape, seed=0):
@@ -46,7 +46,7 @@ def test_unet328_builder_has_the_real_networks_size_and_cost():
 @pytest.mark.parametrize("audio", sorted(AUDIO_SHAPES))
 def test_runner_matches_onnxruntime_for_every_audio_encoder(tmp_path, audio):
     path = write_model(tmp_path / "m.onnx", kind="tiny", audio=audio, seed=3)
-    runner = ModelRunner(path)
+    runner = OwnSessionRunner(path)
     assert runner.io.audio_shape == AUDIO_SHAPES[audio]
     visual, feats = _inputs(3, AUDIO_SHAPES[audio])
     out = np.empty((3, 3, 320, 320), np.float32)
@@ -56,7 +56,7 @@ def test_runner_matches_onnxruntime_for_every_audio_encoder(tmp_path, audio):
 
 def test_runner_matches_onnxruntime_on_the_unet328_shaped_model(tmp_path):
     path = write_model(tmp_path / "unet.onnx", kind="unet328", audio="hubert", seed=2)
-    runner = ModelRunner(path)
+    runner = OwnSessionRunner(path)
     visual, feats = _inputs(2, (32, 32, 32))
     out = np.empty((2, 3, 320, 320), np.float32)
     runner.run(visual, feats, out)
@@ -67,7 +67,7 @@ def test_runner_matches_onnxruntime_on_the_unet328_shaped_model(tmp_path):
 def test_fixed_batch_model_is_split_and_padded_and_names_are_found_by_shape(tmp_path):
     path = write_model(tmp_path / "fixed.onnx", kind="tiny", audio="wenet", batch=2, visual_name="image",
                        audio_name="feats")
-    runner = ModelRunner(path)
+    runner = OwnSessionRunner(path)
     assert (runner.io.visual, runner.io.audio, runner.io.batch) == ("image", "feats", 2)
     visual, feats = _inputs(5, (256, 16, 32))
     out = np.empty((5, 3, 320, 320), np.float32)
@@ -95,11 +95,11 @@ def test_a_gpu_worker_never_runs_on_the_cpu_silently(tmp_path):
 
 def test_broken_models_are_refused_with_the_reason(tmp_path):
     with pytest.raises(AssetError, match="missing"):
-        ModelRunner(tmp_path / "nope.onnx")
+        OwnSessionRunner(tmp_path / "nope.onnx")
     garbage = tmp_path / "garbage.onnx"
     garbage.write_bytes(b"this is not a model")
     with pytest.raises(AssetError, match="garbage.onnx"):
-        ModelRunner(garbage)
+        OwnSessionRunner(garbage)
     with pytest.raises(AssetError, match="garbage.onnx"):
         read_model_io(garbage)
     wrong = tmp_path / "wrong.onnx"

@@ -253,4 +253,5 @@ def test_the_edge_forwarder_stands_on_no_inference_worker():
     for node in ast.walk(ast.parse((ROOT / "gpu_actor" / "remote.py").read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
-    assert not imported & {"gpu_actor.worker", "gpu_actor.registry", "gpu_actor.shared", "gpu_actor.runner"}, imported
+    assert not imported & {"gpu_actor.worker", "gpu_actor.registry", "gpu_actor.architectures", "gpu_actor.runner",
+                            "gpu_actor.own_session"}, imported

@@ -12,7 +12,7 @@ import pytest
 
 from config import audio as A
 from gpu_actor.model_builder import write_audio_encoder
-from gpu_actor.runner import ModelRunner
+from gpu_actor.own_session import OwnSessionRunner
 from gpu_actor.visual import VisualFrames, build_visual
 from tests.helpers import base_config, make_avatar, run_server
 from tests.test_audio import speech_like
@@ -36,7 +36,7 @@ def test_on_the_cpu_a_batch_runs_frame_by_frame_its_visual_input_built_per_call(
     """The CPU provider's calls are one frame each, each frame's visual input built from its crop just
     before its call: the results of one call over the whole batch."""
     path = make_avatar(tmp_path, "m", n_frames=1, kind="tiny", seed=5) / "model.onnx"
-    runner = ModelRunner(path)
+    runner = OwnSessionRunner(path)
     rng = np.random.default_rng(1)
     crops = [rng.integers(0, 256, (328, 328, 3), dtype=np.uint8) for _ in range(5)]
     _, audio = _inputs(5)
@@ -53,7 +53,7 @@ def test_on_the_cpu_a_batch_runs_frame_by_frame_its_visual_input_built_per_call(
 
 def test_a_fixed_batch_model_runs_calls_of_its_size_the_last_one_padded(tmp_path):
     path = make_avatar(tmp_path, "f", n_frames=1, kind="tiny", batch=2) / "model.onnx"
-    runner = ModelRunner(path)
+    runner = OwnSessionRunner(path)
     assert runner.shapes.sizes == (2,)
     visual, audio = _inputs(5)
 

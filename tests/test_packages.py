@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-import textwrap
 import zipfile
 from pathlib import Path
 

@@ -12,7 +12,6 @@ import cv2
 import numpy as np
 import onnxruntime as ort
 import pytest
-import simplejpeg
 import zmq
 
 from lipsync_client import AsyncClient, ServerError

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_actor.device import STAND_IN_COST_ENV
-from gpu_actor.runner import ModelRunner
+from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
@@ -56,7 +56,7 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
             (architecture,) = c.stats()["workers"][0]["architectures"].values()
         body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=30).read().decode()
     # each request's mouths are its own model's on its own frame (the CPU provider, the model alone)
-    runners = {m: ModelRunner(root / m / "model.onnx") for m in ("a", "b")}
+    runners = {m: OwnSessionRunner(root / m / "model.onnx") for m in ("a", "b")}
     for (model, visual, audio), (_, frames) in zip(work, answers):
         mouths = np.frombuffer(frames[0], "<f4").reshape(1, 3, 320, 320)
         expected = np.empty((1, 3, 320, 320), np.float32)

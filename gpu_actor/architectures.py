@@ -1,6 +1,6 @@
 """Models on prepared architectures (gpu_actor/prepared.py), for devices whose `shared_weights` is set.
 
-A `SharedRunner` is one model: its weights resident on the device and, per batch size, an IO binding
+A `PreparedRunner` is one model: its weights resident on the device and, per batch size, an IO binding
 made once (weights, staging buffers), so a call binds nothing: copy the rows in, run, copy the mouths out.
 `Architectures` keeps a worker's prepared architectures by key: a model's load is reading its file and
 uploading its weights (`Architectures.load`); a new architecture (the first model of it, or a graph like
@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from gpu_actor.graphs import Architecture, Split, check_convolutions, split_model
+from gpu_actor.model_split import Architecture, Split, check_convolutions, split_model
 from gpu_actor.prepared import Prepared
 from gpu_actor.runner import Part, check_audio
 from gpu_actor.weights import Weights
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 IDLE_ARCHITECTURES = 4   # prepared architectures kept while no model uses them (the next avatar's is ready)
 
 
-class SharedRunner:
+class PreparedRunner:
     """A model on a prepared architecture (gpu_actor/runner.Runner)."""
 
     def __init__(self, prepared: Prepared, weights: Weights, path: Path):
@@ -53,17 +53,6 @@ class SharedRunner:
     def end_step(self, kind: str) -> list[tuple[int, int]]:
         return self.prepared.end_step(kind)
 
-    def _binding(self, size: int):
-        p = self.prepared
-        if p.slot is not None:
-            p.load_slot(self.weights)
-            return p.slot_binding(size)
-        binding = self._bindings.get(size)
-        if binding is None:
-            binding = self._bindings[size] = p.sessions[size].io_binding()
-            p._bind(binding, self.weights, size)
-        return binding
-
     def run(self, visual: Union[np.ndarray, Callable[[int, int], np.ndarray]], audio: np.ndarray,
             out: np.ndarray) -> None:
         """visual [B,6,320,320] (or the avatar's crops, `VisualFrames`), audio [B,*A], out [B,3,320,320]:
@@ -78,7 +67,7 @@ class SharedRunner:
         p = self.prepared
         for step in p.shapes.plan(sum(len(part.out) for part in parts)):
             pieces = p.stage(parts, step)
-            p.call(step.size, self._binding(step.size))
+            p.call(step.size, p.binding(self.weights, step.size, self._bindings))
             p.unstage(pieces, step)
 
 
@@ -93,7 +82,7 @@ class Architectures:
         self.prepared: dict[str, Prepared] = {}
         self._lock = threading.Lock()
 
-    def load(self, path: Path, model: str = "") -> SharedRunner:
+    def load(self, path: Path, model: str = "") -> PreparedRunner:
         """(The load thread) a model's runner: its weights uploaded, its architecture prepared first if new."""
         split = split_model(path)
         # NOTE: here, not where a model is evicted: cudaFree waits for the whole device, and the main
@@ -118,7 +107,7 @@ class Architectures:
         with self.device.lock:
             return Weights(self.device, architecture, arrays)
 
-    def _load(self, path: Path, model: str, split: Split) -> SharedRunner:
+    def _load(self, path: Path, model: str, split: Split) -> PreparedRunner:
         key = split.architecture.key   # NOTE: fp32's key also for fp16: every model of it converts alike
         with self._lock:
             prepared = self.prepared.get(key)
@@ -139,9 +128,9 @@ class Architectures:
                 self.prepared[key] = prepared
         else:
             weights = self._weights(prepared.architecture, str(path), split)
-        return SharedRunner(prepared, weights, path)
+        return PreparedRunner(prepared, weights, path)
 
-    def prepare_grouped(self, runner: Callable[[], Optional[SharedRunner]]) -> None:
+    def prepare_more(self, runner: Callable[[], Optional[PreparedRunner]]) -> None:
         """(A thread beside the load thread, after the model of `runner`, a weak reference, counts as loaded)
         its architecture's N-model form, once a second model of it is loaded (Prepared.prepare_grouped);
         the model is not held meanwhile: an eviction frees it at once."""
@@ -167,7 +156,7 @@ class Architectures:
         """Each prepared architecture: its sizes, its measured frames/s, the models loaded on it (stats)."""
         with self._lock:
             return {key: {"sizes": list(p.shapes.sizes), "frames_per_s": round(p.frames_per_s(), 1),
-                          "models": len(p.users), "cuda_graphs": p.slot is not None,
+                          "models": len(p.users), "cuda_graphs": p.graph_slot is not None,
                           "grouped_ms": {str(s): round(t * 1000, 3) for s, t in p.grouped.call_s.items()}
                           if p.grouped else {}, **p.call_stats()}
                     for key, p in self.prepared.items()}

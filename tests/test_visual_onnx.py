@@ -1,4 +1,4 @@
-"""The visual input built by the model's own graph (gpu_actor/preprocess.py) and inference.precision
+"""The visual input built by the model's own graph (gpu_actor/visual_onnx.py) and inference.precision
 (gpu_actor/precision.py), on the CPU provider with the worker's session options."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from gpu_actor.model_builder import AUDIO_SHAPES, build_model
-from gpu_actor.precision import to_fp16
-from gpu_actor.preprocess import CROPS_INPUT, VISUAL_OUTPUT, visual_graph
 from gpu_actor.device import CpuDevice
-from gpu_actor.runner import own_session
+from gpu_actor.model_builder import AUDIO_SHAPES, build_model
+from gpu_actor.own_session import own_session
+from gpu_actor.precision import to_fp16
 from gpu_actor.visual import build_visual
+from gpu_actor.visual_onnx import CROPS_INPUT, VISUAL_OUTPUT, visual_graph
 
 
 def _session(model: onnx.ModelProto, path):

@@ -76,7 +76,7 @@ def _check_opset(opset: int, source: str) -> None:
 
 def visual_graph(opset: int = MIN_OPSET) -> onnx.ModelProto:
     """A model of its own: input `crops` uint8 [batch, 328, 328, 3] (batch free) -> output `visual` float32
-    [batch, 6, 320, 320], equal to build_visual's to the bit (tests/test_preprocess.py)."""
+    [batch, 6, 320, 320], equal to build_visual's to the bit (tests/test_visual_onnx.py)."""
     _check_opset(opset, "visual_graph")
     nodes, constants = _nodes(CROPS_INPUT, VISUAL_OUTPUT)
     graph = helper.make_graph(

@@ -14,13 +14,13 @@ from onnx import numpy_helper
 
 from config.assets import AssetError
 from config.schema import InferenceConfig
-from gpu_actor.device import StandInDevice
-from gpu_actor.graphs import split_model
+from gpu_actor.architectures import Architectures
+from gpu_actor.device import CpuDevice, StandInDevice
 from gpu_actor.model_builder import build_model, write_model
+from gpu_actor.model_split import split_model
+from gpu_actor.own_session import OwnSessionRunner
 from gpu_actor.registry import Registry
-from gpu_actor.runner import ModelRunner
 from gpu_actor.shapes import BatchShapes, Step, prepared_sizes
-from gpu_actor.shared import Architectures
 from gpu_actor.visual import VisualFrames, build_visual
 from gpu_actor.weights import ALIGN, layout
 
@@ -90,7 +90,7 @@ def test_a_shared_session_with_the_weights_bound_per_call_computes_what_the_mode
         for path, runner in zip(paths, runners):
             got, want = np.empty((n, 3, 320, 320), np.float32), np.empty((n, 3, 320, 320), np.float32)
             runner.run(visual, audio, got)
-            ModelRunner(path).run(visual, audio, want)
+            OwnSessionRunner(path).run(visual, audio, want)
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
@@ -113,7 +113,7 @@ def test_the_visual_input_built_per_call_and_padding_rows_left_by_a_larger_call_
         assert p.visual[5:].any() and p.audio[5:].any() and p.crops[5:].any() and p.crops_host[5:].any()
 
     want = np.empty((5, 3, 320, 320), np.float32)
-    ModelRunner(path).run(visual, audio, want)
+    OwnSessionRunner(path).run(visual, audio, want)
     dirty()
     got = np.empty((5, 3, 320, 320), np.float32)
     runner.run(VisualFrames(crops[:5], np.empty((8, 6, 320, 320), np.float32)), audio, got)
@@ -142,7 +142,7 @@ def test_the_first_model_prepares_every_size_once_later_models_of_its_architectu
                    np.empty((n, 3, 320, 320), np.float32))
     assert device.stalls == prepared, "a call met a size that was not prepared"
     # with a second model loaded, the load thread prepares the N-model form at 2, 4, 8 (after the load)
-    archs.prepare_grouped(weakref.ref(second))
+    archs.prepare_more(weakref.ref(second))
     assert device.stalls == prepared + 3 and tuple(first.prepared.grouped.sessions) == (2, 4, 8)
     prepared = device.stalls
     archs.load(write_model(tmp_path / "other.onnx", kind="tiny", audio="hubert"))
@@ -187,7 +187,7 @@ def test_a_model_replaced_on_disk_and_unloaded_serves_its_new_weights(tmp_path):
     assert reg.unload("m")
     new = run()
     want = np.empty((2, 3, 320, 320), np.float32)
-    ModelRunner(path).run(*_inputs(2), want)
+    OwnSessionRunner(path).run(*_inputs(2), want)
     assert not np.allclose(old, new)
     np.testing.assert_allclose(new, want, rtol=0, atol=1e-6)
     weights = split_model(path).architecture
@@ -209,19 +209,19 @@ def test_with_cuda_graphs_models_that_alternate_each_get_their_own_weights_in_th
     archs = Architectures(StandInDevice(0.0), 4, 0, False, graphs=True)
     runners = [archs.load(p) for p in paths]
     prepared = runners[0].prepared
-    assert prepared.slot is not None
+    assert prepared.graph_slot is not None
     visual, audio = _inputs(3)
     want = []
     for path in paths:
         want.append(np.empty((3, 3, 320, 320), np.float32))
-        ModelRunner(path).run(visual, audio, want[-1])
+        OwnSessionRunner(path).run(visual, audio, want[-1])
     copies = 0
     for k in (0, 1, 1, 2, 0, 2, 2, 1):
-        copies += prepared.slot_owner() is not runners[k].weights
+        copies += prepared.graph_slot.holds() is not runners[k].weights
         got = np.empty((3, 3, 320, 320), np.float32)
         runners[k].run(visual, audio, got)
         np.testing.assert_allclose(got, want[k], rtol=0, atol=1e-6)
-        assert prepared.slot_owner() is runners[k].weights
+        assert prepared.graph_slot.holds() is runners[k].weights
     assert copies == 5   # the first model's are in the slot since preparation; the same model twice copies nothing
 
 
@@ -252,7 +252,7 @@ def test_a_load_the_device_has_no_room_for_evicts_an_idle_model_first_and_never_
         out = np.empty((1, 3, 320, 320), np.float32)
         reg.loaded[model].runner.run(*_inputs(1), out)
         want = np.empty((1, 3, 320, 320), np.float32)
-        ModelRunner(paths[model]).run(*_inputs(1), want)
+        OwnSessionRunner(paths[model]).run(*_inputs(1), want)
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-6)
     reg.close()
 
@@ -281,17 +281,25 @@ def test_every_device_has_all_the_runners_and_the_registry_ask_of_one():
                 f"self.{name}," in constructors, f"{cls.__name__} has no {name}"
 
 
-def test_both_runners_honour_the_runner_contract(tmp_path):
-    """The registry and the worker hold either runner as a gpu_actor/runner.Runner: its attributes with
-    their types, `run` with the protocol's parameters, and the same refusal of audio of another shape."""
+def test_both_loaders_and_their_runners_honour_the_runner_contract(tmp_path):
+    """The registry holds either loader as a gpu_actor/runner.Loader and the worker either runner as a
+    gpu_actor/runner.Runner: the protocols' methods with their parameters, the runners' attributes with
+    their types (the bytes a model holds counted by either), the same refusal of audio of another shape."""
     import inspect
 
-    from gpu_actor.runner import Runner
+    from gpu_actor.own_session import OwnSessions
+    from gpu_actor.runner import Loader, Runner
     path = write_model(tmp_path / "m.onnx", kind="tiny")
-    runners = (ModelRunner(path), Architectures(StandInDevice(0.0), 2, 0, False).load(path))
+    loaders = (OwnSessions(CpuDevice(), 0, False), Architectures(StandInDevice(0.0), 2, 0, False))
+    for loader in loaders:
+        for name in ("load", "prepare_more", "describe"):
+            assert list(inspect.signature(getattr(type(loader), name)).parameters) == \
+                list(inspect.signature(getattr(Loader, name)).parameters), (type(loader), name)
+    runners = [loader.load(path) for loader in loaders]
     want = list(inspect.signature(Runner.run).parameters)
     for runner in runners:
-        assert isinstance(runner.nbytes, int) and isinstance(runner.frames_per_s, float), type(runner)
+        assert isinstance(runner.nbytes, int) and runner.nbytes > 0, (type(runner), runner.nbytes)
+        assert isinstance(runner.frames_per_s, float), type(runner)
         assert runner.io.audio_shape == (32, 16, 16)
         assert list(inspect.signature(type(runner).run).parameters) == want, type(runner)
         with pytest.raises(AssetError, match=r"audio must be \[2, 32, 16, 16\], got \[2, 32, 16\]"):

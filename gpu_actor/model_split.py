@@ -1,8 +1,8 @@
 """A model file split into its architecture (the graph, weights made inputs) and its weights.
 
 Every SyncTalk_2D avatar is the same unet_328 graph with other weights: a worker keeps one prepared
-onnxruntime session per architecture and binds each model's weights per call (gpu_actor/runner.py), so
-a new avatar's load is reading and uploading its weights, never a new session or a new cuDNN plan.
+onnxruntime session per architecture and binds each model's weights per call
+(gpu_actor/architectures.py), so a new avatar's load is reading and uploading its weights, never a new session or a new cuDNN plan.
 
 Which tensors are weights: the floating-point initializers that only feed an op's data inputs (a Conv's
 W and B, a MatMul's operands, an Add's addend...). Any other initializer (a Resize's scales, a Reshape's
