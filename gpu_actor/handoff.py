@@ -26,6 +26,11 @@ def route(handlers: dict[type, Callable[[object], None]], msg: object, who: str)
     handler(msg)
 
 
+def mouth_slots(outputs: SlotRing, frames: int) -> int:
+    """The output slots `frames` frames' mouths take (a slot holds one frame's)."""
+    return outputs.slots_for(frames * MOUTH_BYTES)
+
+
 def acquire_slot(outputs: SlotRing, req: int, frames: int, timeout_s: float, tasks: zmq.Socket,
                  handle: Callable[[object], None]) -> int:
     """The first of the output slots (one frame's mouths each) of request `req`'s `frames`. While they
@@ -34,7 +39,7 @@ def acquire_slot(outputs: SlotRing, req: int, frames: int, timeout_s: float, tas
     def wait(remaining_s: float) -> None:
         if tasks.poll(int(remaining_s * 1000) + 1):
             handle(unpack(tasks.recv()))
-    return outputs.acquire(req, timeout_s=timeout_s, wait=wait, count=outputs.slots_for(frames * MOUTH_BYTES))
+    return outputs.acquire(req, timeout_s=timeout_s, wait=wait, count=mouth_slots(outputs, frames))
 
 
 def hand_off(to_cpu: list[zmq.Socket], task: InferTask, worker: int, mouths: TensorRef) -> None:

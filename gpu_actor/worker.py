@@ -23,11 +23,11 @@ import zmq
 from config import Config
 from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
-from config.geometry import MOUTH_BYTES, MOUTH_SHAPE, VISUAL_SHAPE
+from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.backgrounds import Backgrounds
 from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
-from gpu_actor.handoff import acquire_slot, hand_off, route
+from gpu_actor.handoff import acquire_slot, hand_off, mouth_slots, route
 from gpu_actor.registry import Registry
 from gpu_actor.runner import Part
 from gpu_actor.visual import VisualFrames
@@ -294,7 +294,7 @@ class InferenceWorker:
                 self._done(task, "timeout", str(err))
                 return None
         else:
-            slot = self.outputs.try_acquire(task.req, self.outputs.slots_for(task.batch * MOUTH_BYTES))
+            slot = self.outputs.try_acquire(task.req, mouth_slots(self.outputs, task.batch))
             if slot is None:
                 raise _NoSlotFree
         t0 = time.perf_counter()
