@@ -319,11 +319,29 @@ class SectionRunner:
         return out["figures"]
 
 
+def store_bytes(models: Path, o: GpuBenchOptions) -> int:
+    """compositing.cache_bytes for the background store to hold every frame the live levels speak on (each
+    a 1280x720 frame and its crop), so that no level decodes its avatars' frames again because the store
+    evicted them: with 12 avatars of 24 frames, 512 MiB held 165 of their 288 frames, and the levels measured
+    the host's decoding instead of the device's steps. At most half the free shared memory (said if so)."""
+    from config.geometry import CROP_SIZE
+    frames = sum(1 for _ in (models / "avatar" / "frames").iterdir())
+    avatars = 1 + o.avatars + max(o.avatar_levels, default=0)
+    wanted = int(avatars * frames * (1280 * 720 * 3 + CROP_SIZE * CROP_SIZE * 3) * 1.1)
+    room = shutil.disk_usage("/dev/shm").free // 2
+    if wanted > room:
+        print(f"  the background store gets {room >> 20} MiB, half the free /dev/shm: {avatars} avatars of {frames} "
+              f"frames want {wanted >> 20} MiB (levels past {room * avatars // wanted} avatars decode frames again)",
+              flush=True)
+    return max(512 << 20, min(wanted, room))
+
+
 def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -> dict:
     from bench.sessions import _settings
     from tests.helpers import base_config
     return base_config(models, **{
-        **_settings("jpeg", o.budget_ms, shed=o.shed), "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
+        **_settings("jpeg", o.budget_ms, shed=o.shed), "compositing.cache_bytes": store_bytes(models, o),
+        "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
         "inference.devices": [cuda_id(o.device)] if is_gpu(o.device) else CPU,
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
         "metrics.port": metrics_port, "inference.mixed_steps": "auto", **variant_settings(variant)})
