@@ -27,9 +27,11 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _device(text: str) -> str:
-    if text in ("auto", "cpu") or (text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu or cuda:N (N: the GPU's index)")
+    from gpu_actor.device import parse_device
+    try:
+        return text if text == "auto" else parse_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err} or auto") from None
 
 
 def _write_json(path: str, results: dict) -> None:

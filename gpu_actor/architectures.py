@@ -1,7 +1,8 @@
 """Models on prepared architectures (gpu_actor/prepared.py), for devices whose `shared_weights` is set.
 
 A `PreparedRunner` is one model: its weights resident on the device and, per batch size, an IO binding
-made once (weights, staging buffers), so a call binds nothing: copy the rows in, run, copy the mouths out.
+made once (weights, staging buffers; with CUDA graphs the architecture's one weight slot instead:
+gpu_actor/cuda_graphs.py), so a call binds nothing: copy the rows in, run, copy the mouths out.
 `Architectures` keeps a worker's prepared architectures by key: a model's load is reading its file and
 uploading its weights (`Architectures.load`); a new architecture (the first model of it, or a graph like
 no other) is prepared on the load thread before its model counts as loaded, never on the path of running

@@ -264,6 +264,14 @@ def is_gpu(device: str) -> bool:
     return device != CPU
 
 
+def parse_device(text: str) -> str:
+    """A device a person named ("cpu" or "cuda:N"), as a worker's device string; ValueError says what is
+    expected."""
+    if text == CPU or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise ValueError(f"{text!r}: expected cpu or cuda:N (N: the GPU's index)")
+
+
 def make_device(device: str):
     """The device a worker's device string names; a "cpu" worker is a StandInDevice where the
     environment asks for one (tests and benches without a GPU)."""

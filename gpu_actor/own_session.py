@@ -1,6 +1,7 @@
-"""A model in a session of its own, the CPU provider's way (`OwnSessions`, the loader; `OwnSessionRunner`, a
-model): find its inputs by rank and shape, run a batch into a given buffer. (On a GPU, and on the stand-in device, models share one prepared session per
-architecture instead: gpu_actor/architectures.py.)
+"""Models in sessions of their own, the CPU provider's way: `OwnSessions` (the loader) and
+`OwnSessionRunner` (a model: its inputs found by rank and shape, a batch run into a given buffer). On a
+GPU, and on the stand-in device, models share one prepared session per architecture and size instead
+(gpu_actor/architectures.py).
 
 The inputs are bound straight from their shared-memory views and the output straight into the
 destination slot (IO binding), so a batch costs no copy besides the model's own work.
