@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer|gpu] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer|gpu|steps] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -47,7 +47,7 @@ def main() -> int:
     started = time.monotonic()   # (the gpu bench's --budget-s counts from here: the demo's build is in it)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "transport", "cpu", "h264",
-                                                         "startup", "avatars", "first_words", "importer", "gpu"],
+                                                         "startup", "avatars", "first_words", "importer", "gpu", "steps"],
                         default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
@@ -111,6 +111,13 @@ def main() -> int:
                           "estimated (from the settings and what the run measured so far) and a section that would "
                           "not fit is skipped and named (default: no limit). The JSON is written after every "
                           "section; SIGINT or SIGTERM stops the run, its servers and keeps what it measured")
+    steps = parser.add_argument_group("steps bench (--levels: sessions at once, default 6,12)")
+    steps.add_argument("--mixed-modes", type=_names, default=("sub_calls", "auto"), metavar="LIST",
+                       help="inference.mixed_steps of each server, one after the other (default sub_calls,auto)")
+    steps.add_argument("--cost-ms", default="10,1", metavar="F,P",
+                       help="each stand-in model call's cost: fixed ms, ms per frame (default 10,1)")
+    steps.add_argument("--speech-s", type=float, default=2.0, help="each session's utterance (default 2)")
+    steps.add_argument("--rounds", type=int, default=2, help="utterances at once per level and mode (default 2)")
     args = parser.parse_args()
     gpu_settings = None
     if args.what == "gpu":   # NOTE: before the demo's build: a variant the device does not run is refused at once
@@ -181,6 +188,9 @@ def main() -> int:
     if args.what == "importer":
         from bench import importer
         results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
+    if args.what == "steps":
+        from bench import steps
+        results["steps"] = steps.run(args.levels or (6, 12), args.mixed_modes, args.cost_ms, args.speech_s, args.rounds)
     if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
         from bench import gpu
 

@@ -79,3 +79,73 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     assert samples[("lipsync_device_call_rows_total", (("row", "padding"), ("worker", "0")))] == padding
     assert {k: v for (name, labels), v in samples.items() if name == "lipsync_device_steps_total"
             for key, k in labels if key == "kind"} == {k: float(n) for k, n in architecture["steps"].items()}
+
+
+LIVE_AVATARS = 3          # PCM sessions, one avatar each, all speaking at once
+LIVE_COST = "20,1"        # each model call: 20 ms + 1 ms a frame (a card's curve, scaled to this host's few sessions)
+LIVE_SPEECH_S = 2.0
+LIVE_BUDGET_MS = 600
+CHUNK = 320               # 20 ms at 16 kHz, as Pipecat and LiveKit send it
+
+
+async def _utterance(endpoint: str, model: str, seed: int) -> tuple[dict, int]:
+    """An utterance in 20-ms chunks at real time; the session's stats once its last frame went out, and the
+    speech frames the utterance yields."""
+    from config.audio import frame_count, speech
+    from lipsync_client import AsyncSession
+    pcm = speech(LIVE_SPEECH_S, seed=seed)
+    async with AsyncSession(endpoint, model, audio="pcm16", timeout_s=120) as s:
+        replies, t0 = [], time.monotonic()
+        chunks = [pcm[k:k + CHUNK] for k in range(0, len(pcm), CHUNK)]
+        for i, chunk in enumerate(chunks):
+            replies.append(s.push_audio(chunk, last=i == len(chunks) - 1))
+            await asyncio.sleep(max(t0 + (i + 1) * CHUNK / 16000 - time.monotonic(), 0))
+        for reply in replies:
+            await reply
+        while not (await s.frames.get())[0].get("last"):
+            pass
+        return await s.close(), frame_count(len(pcm))
+
+
+def test_live_pcm_sessions_each_on_its_own_avatar_share_calls_and_miss_nothing(tmp_path):
+    """PCM sessions, each on an avatar of its own (one architecture), start speaking at once on a device
+    whose every model call costs a fixed part: each session's frames come a request a frame, so calls of
+    one request each would lose speech (21 ms a call, 3 avatars at 25 frames/s); steps hold the frames that
+    queued meanwhile, of every avatar, and every speech frame is on time, also while a further avatar loads."""
+    import onnx
+
+    from gpu_actor.demo_model import build_demo_encoder
+    root = tmp_path / "models"
+    names = [f"v{k}" for k in range(LIVE_AVATARS + 1)]   # the last one loads while the others speak
+    for seed, name in enumerate(names):
+        onnx.save(build_demo_encoder(), make_avatar(root, name, kind="tiny", seed=seed) / "audio_encoder.onnx")
+    # NOTE: a latency budget of LIVE_BUDGET_MS: a host half as fast as this one still composites in time,
+    # while calls of one request each fall further behind every second whatever the budget
+    cfg = base_config(root, **{"limits.max_batch": 16, "limits.queue_depth": 64, "shm.slots": 4,
+                               "sessions.max_cpu_load": 0, "sessions.shed_speech": False,
+                               "sessions.latency_budget_ms": LIVE_BUDGET_MS,
+                               "compositing.cache_bytes": 128 << 20})   # (every avatar's frames stay in the store)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: LIVE_COST}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for name in names[:-1]:
+                c.load(name)
+            (before,) = c.stats()["workers"][0]["architectures"].values()
+
+        async def scenario() -> list:
+            speakers = [asyncio.create_task(_utterance(srv.endpoint, name, k)) for k, name in enumerate(names[:-1])]
+            await asyncio.sleep(LIVE_SPEECH_S / 2)
+            with srv.client(timeout_s=120) as c:   # a further avatar loads while they speak
+                await asyncio.get_running_loop().run_in_executor(None, c.load, names[-1])
+            return await asyncio.gather(*speakers)
+
+        sessions = asyncio.run(scenario())
+        with srv.client() as c:
+            (after,) = c.stats()["workers"][0]["architectures"].values()
+    for stats, frames in sessions:
+        summary = {k: v for k, v in stats.items() if k not in ("stages_ms", "latency_ms")}
+        assert (stats["frames_speech"], stats["missed"], stats["late"]) == (frames, 0, 0), (frames, summary)
+    calls = {int(k): n - before["frames_per_call_histogram"].get(k, 0)
+             for k, n in after["frames_per_call_histogram"].items()}
+    held = sum(k * n for k, n in calls.items()) / sum(calls.values())
+    assert held > 1.5, calls   # calls held the frames that queued behind the one before
+    assert after["models"] == LIVE_AVATARS + 1

@@ -1,0 +1,110 @@
+"""Device steps on the stand-in device with a card's cost curve: live PCM sessions, each on an avatar of
+its own (one architecture, other weights), all starting an utterance at once.
+
+The stand-in runs the GPU path on the CPU provider and makes each model call cost what a card's would
+(LIPSYNC_STAND_IN_COST_MS=fixed,per frame; on an H100, real-size unet_328 fp32: ~1.6 ms + 0.89 ms a
+frame, so the default 10 ms + 1 ms makes a few sessions load this host's stand-in as a card's many load
+the card). Avatars are the tests' small ones (320x240 frames, the tiny model, the demo's audio encoder) so
+that the host's own work stays small beside the device's. Per level and `inference.mixed_steps` mode
+(sub_calls: a call per avatar in a step; grouped / auto: the architecture's N-model form, gpu_actor/
+mixed.py), each round prints the speech frames missed and late, the device calls and the frames they
+held, and the steps by kind. The levels past what this host's CPU serves with no device cost at all
+(`--cost-ms 0,0`) measure the host, not the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
+
+
+async def _say(endpoint: str, model: str, seed: int, speech_s: float) -> tuple[dict, int]:
+    """One session: an utterance in 20-ms chunks at real time; its stats once its last frame has gone out,
+    and the speech frames the utterance yields."""
+    from config.audio import frame_count, speech
+    from lipsync_client import AsyncSession
+    pcm = speech(speech_s, seed=seed)
+    async with AsyncSession(endpoint, model, audio="pcm16", timeout_s=120) as s:
+        replies, t0 = [], time.monotonic()
+        chunks = [pcm[k:k + CHUNK] for k in range(0, len(pcm), CHUNK)]
+        for i, chunk in enumerate(chunks):
+            replies.append(s.push_audio(chunk, last=i == len(chunks) - 1))
+            await asyncio.sleep(max(t0 + (i + 1) * CHUNK / 16000 - time.monotonic(), 0))
+        for reply in replies:
+            await reply
+        while not (await s.frames.get())[0].get("last"):
+            pass
+        return await s.close(), frame_count(len(pcm))
+
+
+def _architecture(srv) -> dict:
+    with srv.client() as c:
+        return next(iter(c.stats()["workers"][0].get("architectures", {}).values()), {})
+
+
+def _round(srv, models: list[str], speech_s: float) -> dict:
+    before = _architecture(srv)
+
+    async def together() -> list:
+        return await asyncio.gather(*(_say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
+    sessions = asyncio.run(together())
+    after = _architecture(srv)
+    rows = {int(k): v - before.get("frames_per_call_histogram", {}).get(k, 0)
+            for k, v in after.get("frames_per_call_histogram", {}).items()}
+    calls = sum(rows.values())
+    steps = {k: v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()}
+    frames = sum(n for _, n in sessions)
+    missed = sum(s["missed"] for s, _ in sessions)
+    return {"frames": frames, "missed": missed, "missed_share": missed / max(frames, 1),
+            "late": sum(s["late"] for s, _ in sessions), "calls": calls,
+            "frames_per_call": sum(k * v for k, v in rows.items()) / calls if calls else 0.0,
+            "steps": {k: v for k, v in steps.items() if v}}
+
+
+def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s: float, rounds: int,
+        max_batch: int = 16) -> dict:
+    import onnx
+
+    from gpu_actor.demo_model import build_demo_encoder
+    from gpu_actor.device import STAND_IN_COST_ENV, STAND_IN_ENV
+    from tests.helpers import base_config, make_avatar, run_server
+    root = Path(tempfile.mkdtemp(prefix="lsync-steps-"))
+    out: dict = {"cost_ms": cost_ms, "speech_s": speech_s, "levels": {}}
+    print(f"device steps on the stand-in, each model call costing {cost_ms} ms (fixed, per frame): PCM sessions on "
+          f"avatars of their own, all starting a {speech_s:g}-s utterance at once; limits.max_batch {max_batch}")
+    try:
+        models = root / "models"
+        encoder = build_demo_encoder()
+        names = [f"v{k:03d}" for k in range(max(levels))]
+        for k, name in enumerate(names):
+            onnx.save(encoder, make_avatar(models, name, n_frames=6, seed=k) / "audio_encoder.onnx")
+        frames = 6 * len(names)
+        for mode in modes:
+            cfg = base_config(models, **{
+                "limits.max_batch": max_batch, "limits.queue_depth": 256, "shm.slots": 4,
+                "sessions.max_cpu_load": 0, "sessions.shed_speech": False, "inference.mixed_steps": mode,
+                # every avatar's frames stay in the background store (320x240 and a crop: ~0.55 MB each)
+                "compositing.cache_bytes": max(64 << 20, frames * (1 << 20))})
+            with run_server(root, cfg, env={STAND_IN_ENV: "0", STAND_IN_COST_ENV: cost_ms}) as srv:
+                with srv.client(timeout_s=300) as c:
+                    for name in names:
+                        c.load(name)
+                ready_by = time.monotonic() + 300   # the N-model form, prepared beside the loads
+                while mode != "sub_calls" and not _architecture(srv).get("grouped_ms") and time.monotonic() < ready_by:
+                    time.sleep(0.2)
+                for n in levels:
+                    for r in range(rounds):
+                        figures = _round(srv, names[:n], speech_s)
+                        out["levels"].setdefault(str(n), {}).setdefault(mode, []).append(figures)
+                        print(f"  {n:3d} sessions, {mode:9} round {r + 1}: missed {figures['missed']} of "
+                              f"{figures['frames']} ({100 * figures['missed_share']:.1f}%), late {figures['late']}; "
+                              f"{figures['calls']} device calls, {figures['frames_per_call']:.2f} frames a call; "
+                              f"steps {figures['steps']}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
