@@ -35,7 +35,6 @@ from gpu_actor.weights import Weights
 log = logging.getLogger(__name__)
 
 
-
 class Prepared:
     """One architecture on one device, prepared at every batch size.
 
