@@ -23,7 +23,7 @@ from pathlib import Path
 CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
 
 
-async def _say(endpoint: str, model: str, seed: int, speech_s: float) -> tuple[dict, int]:
+async def say(endpoint: str, model: str, seed: int, speech_s: float) -> tuple[dict, int]:
     """One session: an utterance in 20-ms chunks at real time; its stats once its last frame has gone out,
     and the speech frames the utterance yields."""
     from config.audio import frame_count, speech
@@ -51,7 +51,7 @@ def _round(srv, models: list[str], speech_s: float) -> dict:
     before = _architecture(srv)
 
     async def together() -> list:
-        return await asyncio.gather(*(_say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
+        return await asyncio.gather(*(say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
     sessions = asyncio.run(together())
     after = _architecture(srv)
     rows = {int(k): v - before.get("frames_per_call_histogram", {}).get(k, 0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient
@@ -85,26 +86,6 @@ LIVE_AVATARS = 3          # PCM sessions, one avatar each, all speaking at once
 LIVE_COST = "20,1"        # each model call: 20 ms + 1 ms a frame (a card's curve, scaled to this host's few sessions)
 LIVE_SPEECH_S = 2.0
 LIVE_BUDGET_MS = 600
-CHUNK = 320               # 20 ms at 16 kHz, as Pipecat and LiveKit send it
-
-
-async def _utterance(endpoint: str, model: str, seed: int) -> tuple[dict, int]:
-    """An utterance in 20-ms chunks at real time; the session's stats once its last frame went out, and the
-    speech frames the utterance yields."""
-    from config.audio import frame_count, speech
-    from lipsync_client import AsyncSession
-    pcm = speech(LIVE_SPEECH_S, seed=seed)
-    async with AsyncSession(endpoint, model, audio="pcm16", timeout_s=120) as s:
-        replies, t0 = [], time.monotonic()
-        chunks = [pcm[k:k + CHUNK] for k in range(0, len(pcm), CHUNK)]
-        for i, chunk in enumerate(chunks):
-            replies.append(s.push_audio(chunk, last=i == len(chunks) - 1))
-            await asyncio.sleep(max(t0 + (i + 1) * CHUNK / 16000 - time.monotonic(), 0))
-        for reply in replies:
-            await reply
-        while not (await s.frames.get())[0].get("last"):
-            pass
-        return await s.close(), frame_count(len(pcm))
 
 
 def test_live_pcm_sessions_each_on_its_own_avatar_share_calls_and_miss_nothing(tmp_path):
@@ -132,7 +113,7 @@ def test_live_pcm_sessions_each_on_its_own_avatar_share_calls_and_miss_nothing(t
             (before,) = c.stats()["workers"][0]["architectures"].values()
 
         async def scenario() -> list:
-            speakers = [asyncio.create_task(_utterance(srv.endpoint, name, k)) for k, name in enumerate(names[:-1])]
+            speakers = [asyncio.create_task(say(srv.endpoint, name, k, LIVE_SPEECH_S)) for k, name in enumerate(names[:-1])]
             await asyncio.sleep(LIVE_SPEECH_S / 2)
             with srv.client(timeout_s=120) as c:   # a further avatar loads while they speak
                 await asyncio.get_running_loop().run_in_executor(None, c.load, names[-1])
