@@ -324,10 +324,10 @@ def store_bytes(models: Path, o: GpuBenchOptions) -> int:
     a 1280x720 frame and its crop), so that no level decodes its avatars' frames again because the store
     evicted them: with 12 avatars of 24 frames, 512 MiB held 165 of their 288 frames, and the levels measured
     the host's decoding instead of the device's steps. At most half the free shared memory (said if so)."""
-    from config.geometry import CROP_SIZE
+    from shm.store import entry_bytes
     frames = sum(1 for _ in (models / "avatar" / "frames").iterdir())
     avatars = 1 + o.avatars + max(o.avatar_levels, default=0)
-    wanted = int(avatars * frames * (1280 * 720 * 3 + CROP_SIZE * CROP_SIZE * 3) * 1.1)
+    wanted = int(avatars * frames * entry_bytes(1280, 720) * 1.1)   # (JPEG sessions: no I420 copies)
     room = shutil.disk_usage("/dev/shm").free // 2
     if wanted > room:
         print(f"  the background store gets {room >> 20} MiB, half the free /dev/shm: {avatars} avatars of {frames} "

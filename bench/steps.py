@@ -72,6 +72,7 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
 
     from gpu_actor.demo_model import build_demo_encoder
     from gpu_actor.device import STAND_IN_COST_ENV, STAND_IN_ENV
+    from shm.store import entry_bytes
     from tests.helpers import base_config, make_avatar, run_server
     root = Path(tempfile.mkdtemp(prefix="lsync-steps-"))
     out: dict = {"cost_ms": cost_ms, "speech_s": speech_s, "levels": {}}
@@ -83,13 +84,15 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
         names = [f"v{k:03d}" for k in range(max(levels))]
         for k, name in enumerate(names):
             onnx.save(encoder, make_avatar(models, name, n_frames=6, seed=k) / "audio_encoder.onnx")
-        frames = 6 * len(names)
+        # every avatar's frames stay in the background store: an entry per frame (JPEG sessions), each
+        # sized for the largest frame the config admits, not the avatar's (with 64 MiB: 53 of 72 frames)
+        limits = base_config(models)["compositing"]
+        store = 6 * len(names) * entry_bytes(limits["max_frame_width"], limits["max_frame_height"]) + (8 << 20)
         for mode in modes:
             cfg = base_config(models, **{
                 "limits.max_batch": max_batch, "limits.queue_depth": 256, "shm.slots": 4,
                 "sessions.max_cpu_load": 0, "sessions.shed_speech": False, "inference.mixed_steps": mode,
-                # every avatar's frames stay in the background store (320x240 and a crop: ~0.55 MB each)
-                "compositing.cache_bytes": max(64 << 20, frames * (1 << 20))})
+                "compositing.cache_bytes": store})
             with run_server(root, cfg, env={STAND_IN_ENV: "0", STAND_IN_COST_ENV: cost_ms}) as srv:
                 with srv.client(timeout_s=300) as c:
                     for name in names:

@@ -54,14 +54,20 @@ def model_key(model_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(model_id.encode(), digest_size=8).digest(), "little") or 1
 
 
+def entry_bytes(max_width: int, max_height: int) -> int:
+    """The bytes every entry takes, whatever its frame's size: room for the largest frame and its crop.
+    An avatar's frame takes one entry, two where H.264 sessions play it (its I420 copy has its own)."""
+    return (max_width * max_height * 3 + CROP_BYTES + 4095) // 4096 * 4096
+
+
 def store_spec(run_prefix: str, run_dir: str, cache_bytes: int, max_width: int, max_height: int,
                eviction: str) -> StoreSpec:
-    entry_bytes = (max_width * max_height * 3 + CROP_BYTES + 4095) // 4096 * 4096
-    n_entries = cache_bytes // entry_bytes
+    entry = entry_bytes(max_width, max_height)
+    n_entries = cache_bytes // entry
     if n_entries < 1:
         raise StoreError(f"compositing.cache_bytes ({cache_bytes}) cannot hold one {max_width}x{max_height} frame "
-                         f"({entry_bytes} bytes); raise it or lower compositing.max_frame_width/height")
-    return StoreSpec(f"{run_prefix}-store-index", f"{run_prefix}-store-data", n_entries, entry_bytes,
+                         f"({entry} bytes); raise it or lower compositing.max_frame_width/height")
+    return StoreSpec(f"{run_prefix}-store-index", f"{run_prefix}-store-data", n_entries, entry,
                      max_width, max_height, f"{run_dir}/store.lock", eviction)
 
 
