@@ -50,6 +50,10 @@ class Metrics:
         self.device_call_rows = Counter("lipsync_device_call_rows", "Rows of a GPU worker's device calls: frame "
                                         "(a request's) or padding (up to the prepared size)", ["worker", "row"],
                                         registry=r)
+        self.device_frames_per_s = Gauge("lipsync_device_frames_per_s", "The frames a second a GPU worker's "
+                                         "steps run with the models it holds (measured per prepared size: with "
+                                         "several avatars of an architecture, their steps' form); live admission "
+                                         "holds sessions' speech within it", ["worker"], registry=r)
         self.restarts = Counter("lipsync_process_restarts", "Child process restarts", ["role"], registry=r)
         self.sessions_open = Gauge("lipsync_sessions_open", "Live sessions open", registry=r)
         self.sessions_refused = Counter("lipsync_sessions_refused", "session_opens answered busy: the server was "

@@ -131,22 +131,23 @@ class Architectures:
             weights = self._weights(prepared.architecture, str(path), split)
         return PreparedRunner(prepared, weights, path)
 
-    def prepare_more(self, runner: Callable[[], Optional[PreparedRunner]]) -> None:
+    def prepare_more(self, runner: Callable[[], Optional[PreparedRunner]]) -> bool:
         """(A thread beside the load thread, after the model of `runner`, a weak reference, counts as loaded)
         its architecture's N-model form, once a second model of it is loaded (Prepared.prepare_grouped);
         the model is not held meanwhile: an eviction frees it at once."""
         model = runner()
         if model is None:
-            return
+            return False
         prepared, weights = model.prepared, weakref.ref(model.weights)
         del model
         if prepared.grouped_tried or len(prepared.users) < 2:
-            return
+            return False
         try:
             prepared.prepare_grouped(weights)
         finally:
             with self.device.lock:
                 self.device.release()   # (its warm-up buffers)
+        return prepared.grouped is not None
 
     def _forget_idle(self) -> None:
         idle = [key for key, p in self.prepared.items() if not p.users]

@@ -68,8 +68,9 @@ class OwnSessions:
         runner.nbytes = max(self.device.memory_used() - before, path.stat().st_size)
         return runner
 
-    def prepare_more(self, runner: Callable[[], Optional[OwnSessionRunner]]) -> None:
+    def prepare_more(self, runner: Callable[[], Optional[OwnSessionRunner]]) -> bool:
         """(Nothing: a model in a session of its own is ready when loaded.)"""
+        return False
 
     def describe(self) -> dict[str, dict]:
         return {}

@@ -296,8 +296,24 @@ class Prepared:
         return binding
 
     def frames_per_s(self) -> float:
-        """The most frames a second this architecture runs: at its best prepared size, measured."""
-        return max((size / s for size, s in self.call_s.items() if s > 0), default=0.0)
+        """The frames a second this architecture's steps run with the models it holds now, from the calls
+        measured per prepared size. One model: at its best size. A models: a step of the largest size L
+        holding max(L // A, 1) frames of each (every session speaking as often), as a call per model at
+        that size (sub-calls) or, where ready and chosen (`inference.mixed_steps`), one call of the
+        N-model form: with many avatars a call per frame, whatever the largest size."""
+        one = max((size / s for size, s in self.call_s.items() if s > 0), default=0.0)
+        models = len(self.users)
+        if models < 2 or not one:
+            return one
+        each = max(self.shapes.largest // models, 1)
+        size = self.shapes.pad_to(each)
+        sub_calls = each / self.call_s[size] if self.call_s.get(size) else 0.0
+        if self.grouped is None or self.mixed == "sub_calls":
+            return sub_calls
+        rows = min(each * models, self.shapes.largest)
+        grouped = self.grouped.call_s.get(self.shapes.pad_to(rows))
+        grouped = rows / grouped if grouped else 0.0
+        return grouped if self.mixed == "grouped" and grouped else max(sub_calls, grouped)
 
 
 def _pieces(parts: list[Part], start: int, end: int):

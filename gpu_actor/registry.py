@@ -42,7 +42,7 @@ class ModelStats:
     loads: int = 0
     evictions: int = 0
     load_ms: float = 0.0
-    frames_per_s: float = 0.0    # on a GPU: its architecture's best measured throughput
+    frames_per_s: float = 0.0    # on a GPU: its architecture's frames/s when it loaded (Prepared.frames_per_s)
     nbytes: int = 0              # what the model holds: its weights on a GPU, its load's resident memory on the CPU
     last_used: float = 0.0       # wall clock, for people
     uses: int = 0
@@ -94,6 +94,7 @@ class Registry:
         self.busy: Counter[str] = Counter()   # tasks queued or running, per model
         self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
+        self._prepared_more = False   # set by the background thread: an N-model form became ready
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
         # what serves faster once ready but no load needs (an architecture's N-model form): loads never queue
         # behind it; like the load thread it holds the device's lock around each call into the device
@@ -169,12 +170,24 @@ class Registry:
         architecture's N-model form: gpu_actor/architectures.Architectures.prepare_more); a failure is
         logged: mixed steps run as sub-calls."""
         try:
-            self.loader.prepare_more(runner)
+            if self.loader.prepare_more(runner):
+                self._prepared_more = True   # (the worker says so from its own thread: poll_loads)
+                self._wake()
         except Exception:   # onnxruntime's own errors, or a bug: the models still serve, one call each
             log.exception("preparing an architecture's N-model form failed; its mixed steps run a call per model")
 
+    def frames_per_s(self) -> float:
+        """The frames a second the device runs with the models loaded now: the lowest of their runners'
+        (an architecture's, measured per size: gpu_actor/prepared.Prepared.frames_per_s); 0: not measured
+        (the CPU provider, or no model)."""
+        return min((f for f in (m.runner.frames_per_s for m in self.loaded.values()) if f > 0), default=0.0)
+
     def poll_loads(self) -> list[LoadResult]:
-        """Finished loads, now in the loaded set (or failed); call from the worker loop."""
+        """Finished loads, now in the loaded set (or failed); call from the worker loop. Every model event
+        carries the device's frames/s after it (admission's, frontend/live/capacity.py)."""
+        if self._prepared_more:
+            self._prepared_more = False
+            self._on_event("", "prepared", 0.0, 0, self.frames_per_s())
         done = []
         for model, future in list(self.loading.items()):
             if not future.done():
@@ -197,7 +210,7 @@ class Registry:
                 stats.load_ms, stats.nbytes = result.load_ms, result.nbytes
                 stats.frames_per_s = result.runner.frames_per_s
                 self.loaded[model] = Loaded(result.runner, result.nbytes, time.monotonic())
-                self._on_event(model, "loaded", result.load_ms, result.nbytes, stats.frames_per_s)
+                self._on_event(model, "loaded", result.load_ms, result.nbytes, self.frames_per_s())
                 # (a thread of its own: no avatar's load waits for it)
                 self._background.submit(self._prepare_more, weakref.ref(result.runner))
                 if model in self._unload_when_loaded:
@@ -239,7 +252,7 @@ class Registry:
 
     def _drop(self, model: str, event: str) -> None:
         self.loaded.pop(model)   # (its device memory goes back with the next load: Architectures.load)
-        self._on_event(model, event, 0.0, 0, 0.0)
+        self._on_event(model, event, 0.0, 0, self.frames_per_s())
 
     def unload(self, model: str) -> bool:
         """Unload now if idle; returns False if it is busy (the caller reports it)."""

@@ -73,10 +73,10 @@ class Loader(Protocol):
         """(The load thread) the model at `path` (its id: `model`) loaded, warmed and ready to run;
         AssetError says what is wrong with its file."""
 
-    def prepare_more(self, runner: Callable[[], Optional[Runner]]) -> None:
+    def prepare_more(self, runner: Callable[[], Optional[Runner]]) -> bool:
         """(A thread beside the load thread, once `runner`, a weak reference, counts as loaded) what serves
         its model faster once ready but no load waits for (an architecture's N-model form); nothing where
-        there is none."""
+        there is none. True when something became ready (the runners' frames_per_s may have risen)."""
 
     def describe(self) -> dict[str, dict]:
         """What the loader holds beside the models, for stats (the prepared architectures), or {}."""

@@ -19,3 +19,4 @@ class ModelEventKind(str, enum.Enum):
     UNLOADED = "unloaded"
     EVICTED = "evicted"
     FAILED = "failed"
+    PREPARED = "prepared"   # the worker's device runs more frames a second now (frames_per_s): no model changed

@@ -262,7 +262,9 @@ class ModelEvent(_Msg):
     event: ModelEventKind
     load_ms: float = 0.0
     nbytes: int = 0
-    frames_per_s: float = 0.0    # loaded on a GPU: what its device runs at most (measured at its best batch size)
+    # a GPU worker: the frames a second its steps run with the models it holds after the event (the lowest of
+    # its architectures', measured per prepared size: gpu_actor/prepared.Prepared.frames_per_s); 0: not measured
+    frames_per_s: float = 0.0
 
 
 class StatsReport(_Msg):

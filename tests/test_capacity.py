@@ -321,14 +321,16 @@ def test_a_gpu_hosts_sessions_are_held_within_the_frames_per_second_its_workers_
     host = Host(cap, {"frontend": 0.001, "cpu0": 0.001}, {"frontend": 0.0, "cpu0": 0.0})
     host.run(0, 2.0)
     assert host.fill(limit=200) == 200            # no device measured: the cores alone, and they have room
-    cap.device(0, 400.0)
-    cap.device(0, 600.0)                          # a worker's lowest count holds: 400 frames/s
+    cap.device(0, 600.0)
+    cap.device(0, 400.0)                          # the worker's latest figure holds (a second avatar loaded)
     # 0.5 x 25 frames/s a session <= 0.75 x 400  ->  24 sessions
     assert cap.refuse(host.now, 23) is None
     busy = cap.refuse(host.now, 24)
     assert busy is not None and "400 frames/s" in busy.message and "sessions.max_cpu_load" in busy.message
     cap.device(1, 400.0)                          # a second GPU worker doubles it
     assert cap.refuse(host.now, 47) is None and cap.refuse(host.now, 48) is not None
+    cap.device(0, 800.0)                          # ... and it rises again (the N-model form is ready)
+    assert cap.refuse(host.now, 71) is None and cap.refuse(host.now, 72) is not None
 
 
 def test_the_gpu_limit_holds_bursts_of_speech_too():

@@ -82,6 +82,49 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
             for key, k in labels if key == "kind"} == {k: float(n) for k, n in architecture["steps"].items()}
 
 
+def _device_frames_per_s(port: int) -> tuple[float, ...]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return tuple(s.value for family in text_string_to_metric_families(body) for s in family.samples
+                 if s.name == "lipsync_device_frames_per_s")
+
+
+def test_admission_holds_speech_within_what_the_steps_of_the_avatars_loaded_run(tmp_path):
+    """The frames/s a GPU worker says its device runs (admission's limit, live/capacity.py) is what its
+    steps run with the avatars it holds, from the calls measured per prepared size: one avatar, calls of
+    the largest size; two of one architecture, a step holding half of it from each, as a call per avatar
+    at that size (half the frames a call, as long a call where the fixed part dominates), until the
+    N-model form is ready and holds them all in one call again."""
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b")):
+        make_avatar(root, model, kind="tiny", seed=seed)
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "inference.mixed_steps": "auto",
+                               "metrics.port": free_port()})
+    port = cfg["metrics"]["port"]
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},1"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            def figure() -> float:
+                (architecture,) = c.stats()["workers"][0]["architectures"].values()
+                return architecture["frames_per_s"]
+            c.load("a")
+            one = figure()
+            assert _device_frames_per_s(port) == (pytest.approx(one, abs=0.05),)   # (stats round it)
+            # NOTE: the worker's model event comes before its answer to the load: the frontend has it
+            c.load("b")   # (its N-model form takes seconds of CALL_MS calls to prepare after this)
+            sub_calls = _device_frames_per_s(port)[0]
+            give_up = time.monotonic() + 120
+            while not next(iter(c.stats()["workers"][0]["architectures"].values()))["grouped_ms"]:
+                assert time.monotonic() < give_up, "the N-model form was never prepared"
+                time.sleep(0.1)
+            said_by = time.monotonic() + 30   # (the worker says so once its loop next turns)
+            while _device_frames_per_s(port)[0] == sub_calls and time.monotonic() < said_by:
+                time.sleep(0.1)
+            grouped = _device_frames_per_s(port)[0]
+            assert grouped == pytest.approx(figure(), abs=0.05)
+    # calls of REQUESTS / 2 frames at a call's cost instead of REQUESTS: about half as many frames a second
+    assert 0.35 < sub_calls / one < 0.65, (one, sub_calls)
+    assert grouped > 1.5 * sub_calls, (sub_calls, grouped)
+
+
 LIVE_AVATARS = 3          # PCM sessions, one avatar each, all speaking at once
 LIVE_COST = "20,1"        # each model call: 20 ms + 1 ms a frame (a card's curve, scaled to this host's few sessions)
 LIVE_SPEECH_S = 2.0

@@ -442,6 +442,8 @@ class Scheduler:
         worker = self.workers[msg.worker]
         if msg.event is ModelEventKind.LOADED:
             worker.models.add(msg.model)
+        elif msg.event is ModelEventKind.PREPARED:   # (its frames/s only: admission's, live/capacity.py)
+            return []
         else:
             worker.models.discard(msg.model)
         return self._pump(worker)

@@ -105,14 +105,16 @@ class Capacity:
         self.per_session: Optional[dict[str, float]] = None
         self.per_frame: Optional[dict[str, float]] = None
         self.per_open: Optional[dict[str, float]] = None
-        # GPU workers: the most frames a second each one's device runs (measured when it prepared its models'
-        # architecture); their inference is not in the host's CPU, so it is a limit of its own
+        # GPU workers: the frames a second each one's device runs with the models it holds (measured per
+        # prepared size); their inference is not in the host's CPU, so it is a limit of its own
         self.inference: dict[int, float] = {}
 
     def device(self, worker: int, frames_per_s: float) -> None:
-        """A GPU worker measured `frames_per_s` for a model it loaded; the lowest of its models' counts."""
+        """A GPU worker's device runs `frames_per_s` with the models it holds now (it says so with each
+        model event): lower once several avatars of an architecture share its steps, higher again when
+        they go or its N-model form is ready."""
         if frames_per_s > 0:
-            self.inference[worker] = min(self.inference.get(worker, frames_per_s), frames_per_s)
+            self.inference[worker] = frames_per_s
 
     def sample(self, now: float, cpu_seconds: Mapping[str, float], sessions: int,
                speech_frames: Optional[int] = None, opened: Optional[int] = None) -> None:

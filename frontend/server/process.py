@@ -320,6 +320,7 @@ class Frontend(Shell):
             self.metrics.load_ms.observe(msg.load_ms)
         if msg.frames_per_s:
             self.live.device_capacity(msg.worker, msg.frames_per_s)
+            self.metrics.of(self.metrics.device_frames_per_s, str(msg.worker)).set(msg.frames_per_s)
         self.apply(self.engine.model_event(msg))
         self._gauges()
 
