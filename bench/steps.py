@@ -19,21 +19,27 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
 
 
-async def say(endpoint: str, model: str, seed: int, speech_s: float) -> tuple[dict, int]:
-    """One session: an utterance in 20-ms chunks at real time; its stats once its last frame has gone out,
-    and the speech frames the utterance yields."""
+async def say(endpoint: str, model: str, seed: int, speech_s: float, delay_s: float = 0.0,
+              started: Optional[asyncio.Event] = None) -> tuple[dict, int]:
+    """One session: `delay_s` after it opens, an utterance in 20-ms chunks at real time (`started` set once
+    its first chunk is sent); its stats once its last frame has gone out, and the speech frames the
+    utterance yields."""
     from config.audio import frame_count, speech
     from lipsync_client import AsyncSession
     pcm = speech(speech_s, seed=seed)
     async with AsyncSession(endpoint, model, audio="pcm16", timeout_s=120) as s:
+        await asyncio.sleep(delay_s)
         replies, t0 = [], time.monotonic()
         chunks = [pcm[k:k + CHUNK] for k in range(0, len(pcm), CHUNK)]
         for i, chunk in enumerate(chunks):
             replies.append(s.push_audio(chunk, last=i == len(chunks) - 1))
+            if started is not None:
+                started.set()
             await asyncio.sleep(max(t0 + (i + 1) * CHUNK / 16000 - time.monotonic(), 0))
         for reply in replies:
             await reply

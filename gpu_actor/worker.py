@@ -41,6 +41,7 @@ from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
 IDLE_TICK_MS = 1000
+STEPS_TIMED = 9   # the recent steps whose median is a step's expected time (one stall does not move it)
 
 
 class InferenceWorker:
@@ -78,6 +79,7 @@ class InferenceWorker:
         self.encoders = AudioEncoders(device, config.limits.max_batch, inf.intra_op_threads, inf.spin_threads)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
+        self._step_s: deque[float] = deque(maxlen=STEPS_TIMED)   # the last steps' seconds, start to end
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
@@ -247,7 +249,9 @@ class InferenceWorker:
     def _step(self, tasks: list[InferTask]) -> None:
         """Run `tasks` together: each its output slot and inputs, then one runner call per model for all
         of that model's rows (gpu_actor/runner.Runner.run_parts), each task answered and handed on as soon
-        as its model's call is done. A task whose slot, inputs or run fails fails alone."""
+        as its model's call is done. A task whose slot, inputs or run fails fails alone. A step that ran
+        calls is timed (`_expected_step_s`)."""
+        t0 = time.monotonic()
         jobs: list[_Job] = []
         for i, task in enumerate(tasks):
             try:
@@ -275,16 +279,32 @@ class InferenceWorker:
                 self._run(group, f"model {model}",
                           lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
         calls = first.end_step(kind)
+        self._step_s.append(time.monotonic() - t0)
         if calls:   # (the GPU path's: a CPU call holds one frame)
             self.to_frontend.send(pack(StepDone(worker=self.index, kind=kind, calls=calls)))
 
+    def _expected_step_s(self) -> float:
+        """How long a step takes now: the median of the last STEPS_TIMED (0 until three have run)."""
+        if len(self._step_s) < 3:
+            return 0.0
+        return sorted(self._step_s)[len(self._step_s) // 2]
+
     def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
         """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and visual
-        input; None when the task is answered already (its deadline passed, its inputs are bad)."""
+        input; None when the task is answered already (its inputs are bad, or it would end past its
+        deadline: a step takes `_expected_step_s`).
+        Past its deadline its frames are of no use (a live session's go out idle), and running them would
+        make the tasks behind it late too: under a burst past what the device runs, every frame would be
+        late rather than the burst's excess missed."""
         started = time.monotonic()
         queue_ms = (started - task.enqueued) * 1000 if task.enqueued else 0.0
         if task.deadline and started > task.deadline:
             self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
+            return None
+        step_s = self._expected_step_s()
+        if task.deadline and started + step_s > task.deadline:
+            self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue; with steps of "
+                       f"{step_s * 1000:.0f} ms now, it would end past its deadline")
             return None
         if wait:
             try:

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import onnx
 
-from config.audio import frame_count, speech
+from bench.steps import say
 from gpu_actor.device import STAND_IN_ENV
 from gpu_actor.demo_model import build_demo_encoder
 from gpu_actor.shapes import prepared_sizes
@@ -93,26 +93,6 @@ PCM_SPEECH_S = 1.2
 PCM_EVERY_S = 0.6   # session k starts at k * PCM_EVERY_S: two speak at a time (each sends a request a frame)
 PCM_STALL_S = 1.0   # a session meeting one would miss 25 frames
 PCM_BUDGET_MS = 600   # a host half as fast as this one still composites in time; a stall still misses frames
-CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
-
-
-async def _say_pcm(endpoint: str, model: str, seed: int, started: asyncio.Event) -> tuple[dict, int]:
-    """One PCM session: after `seed` * PCM_EVERY_S, an utterance in 20-ms chunks at real time, then its
-    stats once it has played; and the speech frames the utterance yields."""
-    pcm = speech(PCM_SPEECH_S, seed=seed)
-    async with AsyncSession(endpoint, model, audio="pcm16", timeout_s=120) as s:
-        await asyncio.sleep(seed * PCM_EVERY_S)
-        replies, t0 = [], time.monotonic()
-        chunks = [pcm[k:k + CHUNK] for k in range(0, len(pcm), CHUNK)]
-        for i, chunk in enumerate(chunks):
-            replies.append(s.push_audio(chunk, last=i == len(chunks) - 1))
-            started.set()
-            await asyncio.sleep(max(t0 + (i + 1) * CHUNK / 16000 - time.monotonic(), 0))
-        for reply in replies:
-            await reply
-        while not (await s.frames.get())[0].get("last"):   # its last speech frame has been sent
-            pass
-        return await s.close(), frame_count(len(pcm))
 
 
 def test_pcm_speech_on_a_device_that_stalls_every_session_per_shape_misses_nothing(tmp_path):
@@ -139,7 +119,7 @@ def test_pcm_speech_on_a_device_that_stalls_every_session_per_shape_misses_nothi
 
         async def scenario() -> tuple[list, float]:
             started = asyncio.Event()
-            speakers = [asyncio.create_task(_say_pcm(srv.endpoint, "ab"[k % 2], k, started))
+            speakers = [asyncio.create_task(say(srv.endpoint, "ab"[k % 2], k, PCM_SPEECH_S, k * PCM_EVERY_S, started))
                         for k in range(PCM_SESSIONS)]
             await started.wait()
             loop = asyncio.get_running_loop()

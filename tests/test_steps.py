@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
-from lipsync_client import AsyncClient
+from lipsync_client import AsyncClient, ServerError
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
@@ -80,6 +80,36 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     assert samples[("lipsync_device_call_rows_total", (("row", "padding"), ("worker", "0")))] == padding
     assert {k: v for (name, labels), v in samples.items() if name == "lipsync_device_steps_total"
             for key, k in labels if key == "kind"} == {k: float(n) for k, n in architecture["steps"].items()}
+
+
+def test_a_request_that_would_end_past_its_deadline_is_not_run_and_the_one_behind_it_takes_its_step(tmp_path):
+    """A step takes CALL_MS here (the stand-in's cost, as a busy card's): a request due sooner than a step
+    would end is answered `timeout` at once, without a call (its frames would be of no use, and running
+    them would make the request behind it late too); the request behind it runs in the step it would
+    have held."""
+    root = tmp_path / "models"
+    make_avatar(root, "a", kind="tiny")
+    cfg = base_config(root, **{"limits.max_batch": 1, "shm.slots": 2})
+    rng = np.random.default_rng(3)
+    visual, audio = rng.random((1, 6, 320, 320), np.float32), rng.standard_normal((1, 32, 16, 16)).astype(np.float32)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            c.load("a")
+            for _ in range(3):   # the worker times its steps (their median: what a step takes now)
+                c.infer("a", visual, audio)
+
+        async def both() -> list:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                return await asyncio.gather(client.infer("a", visual, audio, timeout_ms=CALL_MS // 2),
+                                            client.infer("a", visual, audio), return_exceptions=True)
+
+        doomed, served = asyncio.run(both())
+        with srv.client() as c:
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    assert isinstance(doomed, ServerError) and doomed.code == "timeout", doomed
+    assert "would end past its deadline" in doomed.message, doomed.message
+    assert not isinstance(served, BaseException), served
+    assert architecture["frames_per_call_histogram"] == {"1": 4}, architecture   # (the doomed one never ran)
 
 
 def _device_frames_per_s(port: int) -> tuple[float, ...]:
