@@ -17,13 +17,12 @@ step (`inference.mixed_steps: auto`).
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import Callable, Optional
 
 import numpy as np
 
-from gpu_actor.onnx_sessions import out_of_memory, short
+from gpu_actor.onnx_sessions import least_time, out_of_memory, short
 from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -90,8 +89,8 @@ class GroupedCalls:
 
     def warm(self, model_weights: Callable[[], Optional[Weights]]) -> bool:
         """(The load thread, while the main thread may run the architecture's models: buffers of its own)
-        every size twice, largest first: the first call pays the device's per-shape preparation, the
-        second is the size's steady cost. A size the device has no memory for, or that fails to run, is
+        every size, largest first: the first call pays the device's per-shape preparation, the least of
+        TIMED_CALLS more is the size's steady cost (each copying every row's weights). A size the device has no memory for, or that fails to run, is
         dropped (its steps run as sub-calls)."""
         p, device = self.prepared, self.device
         largest = max(self.sessions)
@@ -111,11 +110,12 @@ class GroupedCalls:
                 with self.device.lock:
                     binding = self.binding(size, staging)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
+
+                def call(size=size, binding=binding) -> None:
                     self._owners = [None] * len(self._owners)   # NOTE: timed with every row copied again
-                    t0 = time.perf_counter()
                     self.load([first] * size)
                     self.device.run(self.sessions[size], binding, size, graphs=False)
-                    self.call_s[size] = time.perf_counter() - t0
+                self.call_s[size] = least_time(self.device.lock, call)
             except Exception as err:   # onnxruntime's own errors
                 log.warning("architecture %s: its N-model form fails at batch %d (%s: %s); such steps run one "
                             "call per model", self.prepared.architecture.key, size,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -23,6 +24,21 @@ class DeviceMemoryError(MemoryError):
 
 _OUT_OF_MEMORY = ("outofmemory", "out of memory", "failed to allocate memory", "alloc_failed",
                   "cudaerrormemoryallocation")
+
+
+TIMED_CALLS = 3   # a prepared call's steady cost: the least of this many (a busy host slows one, not all)
+
+
+def least_time(lock, run: Callable[[], None], calls: int = TIMED_CALLS) -> float:
+    """The least seconds of `calls` runs of `run`, `lock` (the device's) held around each and not between
+    them, so the main thread's calls go on meanwhile."""
+    best = float("inf")
+    for _ in range(calls):
+        with lock:
+            t0 = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def out_of_memory(err: BaseException) -> bool:

@@ -14,7 +14,6 @@ slot its graphs replay (gpu_actor/cuda_graphs.GraphSlot). Its N-model form, wher
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections import Counter
 from typing import Callable, Optional
@@ -26,7 +25,8 @@ from config.geometry import CROP_SIZE, MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.cuda_graphs import GraphSlot
 from gpu_actor.mixed import GroupedCalls
 from gpu_actor.model_split import Architecture
-from gpu_actor.onnx_sessions import DeviceError, DeviceMemoryError, out_of_memory, session_options, short
+from gpu_actor.onnx_sessions import (DeviceError, DeviceMemoryError, least_time, out_of_memory, session_options,
+                                     short)
 from gpu_actor.runner import Part, check_audio, dims
 from gpu_actor.shapes import BatchShapes
 from gpu_actor.visual import VisualFrames
@@ -101,9 +101,9 @@ class Prepared:
             return self.device.session(graph, session_options(*self._options), graphs)
 
     def prepare(self, weights: Weights) -> None:
-        """Run every size twice, largest first: the first call pays the device's per-shape preparation
-        (and the largest grows the memory pool once for all), the second is the size's steady cost
-        (`call_s`). No request runs this architecture yet, so its staging buffers are free; the main
+        """Run every size, largest first: the first call pays the device's per-shape preparation (and the
+        largest grows the memory pool once for all), the least of TIMED_CALLS more is the size's steady
+        cost (`call_s`). No request runs this architecture yet, so its staging buffers are free; the main
         thread may be running other architectures meanwhile.
         A size the device has no memory for is dropped (its batches run as calls at smaller sizes); with
         none left, DeviceMemoryError (the registry evicts an idle model and loads again)."""
@@ -112,8 +112,10 @@ class Prepared:
             try:
                 with self.lock:
                     before = device.memory_used()
-                    self._warm(size, weights)
+                    binding = self._warm(size, weights)
                     grown = device.memory_used() - before
+                session = self.sessions[size]
+                self.call_s[size] = least_time(self.lock, lambda: device.run(session, binding, size, graphs=False))
             except Exception as err:   # onnxruntime's own errors: a graph it loads but cannot run
                 if not out_of_memory(err):
                     raise AssetError(f"the model's graph fails to run at batch {size}: {short(err)}") from None
@@ -218,7 +220,8 @@ class Prepared:
             device.zero(self.audio[rows:step.size])
         return pieces
 
-    def _warm(self, size: int, weights: Weights) -> None:
+    def _warm(self, size: int, weights: Weights):
+        """A size's first call (and its crops graph's); the binding its timed calls use."""
         device, session = self.device, self.sessions[size]
         # with CUDA graphs the binding every call uses (captured at these addresses); else one of the
         # staging buffers, used once (no request runs this architecture before it is prepared)
@@ -226,10 +229,8 @@ class Prepared:
         # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
         # main thread's replays need their own: `call` captures them there)
         device.run(session, binding, size, graphs=False)
-        t0 = time.perf_counter()
-        device.run(session, binding, size, graphs=False)
-        self.call_s[size] = time.perf_counter() - t0
         device.run(self.crop_session, self.crop_binding(size), size, graphs=False, model=False)
+        return binding
 
     def call(self, size: int, binding) -> None:
         """(The main thread) one call at `size` (with CUDA graphs: captured at its first calls, replayed

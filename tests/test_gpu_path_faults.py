@@ -17,7 +17,8 @@ from config.schema import InferenceConfig
 from gpu_actor.architectures import Architectures
 from gpu_actor.device import StandInDevice
 from gpu_actor.model_builder import write_model
-from gpu_actor.onnx_sessions import DeviceError, new_session, out_of_memory, session_options
+from gpu_actor.onnx_sessions import (TIMED_CALLS, DeviceError, least_time, new_session, out_of_memory,
+                                     session_options)
 from gpu_actor.own_session import OwnSessionRunner
 from gpu_actor.cuda_graphs import CAPTURE_RUNS
 from gpu_actor.registry import Registry
@@ -83,12 +84,28 @@ def test_the_load_thread_never_captures_and_the_main_thread_captures_under_the_d
     prepared = runner.prepared
     models = set(prepared.sessions.values())
     warm = [(size, graphs, locked) for session, size, graphs, locked in calls if session in models]
-    assert sorted(warm) == sorted([(size, False, True) for size in prepared.shapes.sizes] * 2)
+    # a first call per size, then the timed ones (gpu_actor/onnx_sessions.least_time): none captures
+    assert sorted(warm) == sorted([(size, False, True) for size in prepared.shapes.sizes] * (1 + TIMED_CALLS))
     calls.clear()
     for _ in range(CAPTURE_RUNS + 2):
         runner.run(*_inputs(3), np.empty((3, 3, 320, 320), np.float32))
     main = [(graphs, locked) for session, size, graphs, locked in calls if session is prepared.sessions[4]]
     assert main == [(True, True)] * CAPTURE_RUNS + [(True, False)] * 2
+
+
+def test_a_prepared_calls_cost_is_the_least_of_its_timed_calls_each_under_the_devices_lock():
+    """A busy host slows one timed call, not the size's cost (`auto` compares the costs per size); the
+    device's lock is held around each call, and free once they are done."""
+    import threading
+    import time
+    lock, seen = threading.Lock(), []
+    durations = iter([0.3, 0.0, 0.3])
+
+    def call() -> None:
+        seen.append(lock.locked())
+        time.sleep(next(durations))
+    assert least_time(lock, call, calls=3) < 0.15
+    assert seen == [True] * 3 and not lock.locked()
 
 
 def test_a_session_that_would_run_on_the_cpu_instead_of_the_gpu_is_refused_and_named(tmp_path):
