@@ -90,8 +90,8 @@ class GroupedCalls:
     def warm(self, model_weights: Callable[[], Optional[Weights]]) -> bool:
         """(The load thread, while the main thread may run the architecture's models: buffers of its own)
         every size, largest first: the first call pays the device's per-shape preparation, the least of
-        TIMED_CALLS more is the size's steady cost (each copying every row's weights). A size the device has no memory for, or that fails to run, is
-        dropped (its steps run as sub-calls)."""
+        TIMED_CALLS more is the size's steady cost (each copying every row's weights). A size the device
+        has no memory for, or that fails to run, is dropped (its steps run as sub-calls)."""
         p, device = self.prepared, self.device
         largest = max(self.sessions)
         weights = model_weights()
