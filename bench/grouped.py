@@ -138,7 +138,9 @@ def measure(dev: _Device, architecture, stacked: dict, n: int, seconds: float, p
     calls: dict[str, Callable[[], None]] = {
         "one": _Call(plain["session"], {visual_name: dev.value(visual), audio_name: dev.value(audio), **per_model[0]},
                      output, dev.empty(output_shape))}
-    singles = [_Call(plain["session"], {visual_name: dev.value(visual[i:i + 1]),
+    # NOTE: a session of its own at batch 1: onnxruntime's CUDA provider rebuilds cuDNN's plans whenever a
+    # session's input shape changes (an H200: 1.6-3.6 s a call when one session alternated 16 and 1)
+    singles = [_Call(plain["single"], {visual_name: dev.value(visual[i:i + 1]),
                                         audio_name: dev.value(audio[i:i + 1]), **per_model[i]},
                      output, dev.empty((1, *plain["output_shape"]))) for i in range(n)]
     calls["split"] = lambda: [c() for c in singles]
@@ -198,8 +200,8 @@ def run(device: str, model: str, audio: str, sizes: tuple[int, ...], seconds: fl
     names = set(architecture.weights)
     io = classify_io([(i.name, list(i.shape)) for i in session.get_inputs() if i.name not in names],
                      [(o.name, list(o.shape)) for o in session.get_outputs()], f"{model}.onnx")
-    plain = {"session": session, "visual_shape": (6, 320, 320), "audio_shape": tuple(io.audio_shape),
-             "output_shape": (3, 320, 320)}
+    plain = {"session": session, "single": dev.session(architecture.graph), "visual_shape": (6, 320, 320),
+             "audio_shape": tuple(io.audio_shape), "output_shape": (3, 320, 320)}
     results: dict = {"device": device_name(device), "model": model, "audio": audio, "seconds": seconds,
                      "sizes": {}, "skipped": {}}
     done: list[dict] = []
