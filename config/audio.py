@@ -70,8 +70,23 @@ def mel_filters(sr: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int = N_MELS,
 
 
 _FILTERS = mel_filters()
-_FILTERS_64 = _FILTERS.astype(np.float64)
 _WINDOW = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT))   # periodic hann, scipy's fftbins=True
+_FRAME = np.arange(N_FFT)
+
+
+def _bands(filters: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each mel filter's non-zero bins (a run of 3 to 27 of the 401), all filters one after another:
+    (the bins, their float64 weights, where each filter's run starts). 739 products a row, not 32,080."""
+    runs = [np.flatnonzero(row) for row in filters]
+    if any(not len(run) or run[-1] - run[0] + 1 != len(run) for run in runs):
+        raise ValueError("a mel filter whose non-zero bins are not one run")
+    bins = np.concatenate(runs)
+    weights = np.concatenate([row[run] for row, run in zip(filters, runs)]).astype(np.float64)
+    starts = np.cumsum([0] + [len(run) for run in runs[:-1]])
+    return bins, weights, starts
+
+
+_BINS, _BIN_WEIGHTS, _BAND_STARTS = _bands(_FILTERS)
 
 
 def pcm16_to_float(pcm: bytes | memoryview) -> np.ndarray:
@@ -98,9 +113,10 @@ def stft_magnitude(y: np.ndarray) -> np.ndarray:
 
 def normalize(magnitude: np.ndarray) -> np.ndarray:
     """[n, 401] |STFT| -> [n, 80] normalised log-mel rows.
-    NOTE: einsum's plain loop, not a BLAS matmul: each row's result must not depend on how many rows are
-    computed together, so that a stream computed chunk by chunk equals the whole utterance exactly."""
-    mel = np.einsum("nk,mk->nm", magnitude, _FILTERS_64, optimize=False)
+    NOTE: each filter's run of bins summed row by row (`np.add.reduceat`), not a BLAS matmul: a row's
+    result must not depend on how many rows are computed together, so that a stream computed chunk by
+    chunk equals the whole utterance exactly."""
+    mel = np.add.reduceat(magnitude[:, _BINS] * _BIN_WEIGHTS, _BAND_STARTS, axis=1)
     db = 20 * np.log10(np.maximum(1e-5, mel)) - 20
     return np.clip(8 * (db + 100) / 100 - 4, -4, 4).astype(np.float32)
 
@@ -200,15 +216,17 @@ class PcmStream:
 
     def __init__(self, name: str = "") -> None:
         self.name = name                        # unique per utterance: workers key their encoder outputs by it
-        self._x = np.zeros(0, np.float64)       # pre-emphasised samples not yet used by every mel row
-        self._base = 0                          # the utterance's sample number of self._x[0]
+        # the centred signal (N_FFT // 2 zeros, then the pre-emphasised samples) from the next row's start on
+        self._x = np.zeros(N_FFT // 2, np.float64)
+        self._samples = 0
         self._previous = 0.0                    # the last raw sample (pre-emphasis continues across chunks)
-        self._mel: list[np.ndarray] = []        # final mel rows
+        self._mel = np.empty((64, N_MELS), np.float32)   # the mel rows computed: the first self._rows
+        self._rows = 0
         self.ended = False
 
     @property
     def samples(self) -> int:
-        return self._base + len(self._x)
+        return self._samples
 
     def push(self, samples: np.ndarray, last: bool = False) -> None:
         if self.ended:
@@ -217,47 +235,56 @@ class PcmStream:
         if len(samples):
             self._x = np.concatenate([self._x, preemphasis(samples, self._previous)])
             self._previous = float(samples[-1])
+            self._samples += len(samples)
         self.ended = last
-        self._compute_rows()
+        n = self._samples
+        total = 1 + n // HOP if last else max(0, (n - N_FFT // 2) // HOP + 1)   # rows final
+        # NOTE: rows are computed once the next encoder input's last row is final, or at the end: 20-ms
+        # chunks then compute 3 or 4 rows every other chunk rather than 1 or 2 every chunk (each numpy call
+        # costs microseconds whatever its rows), and every count this stream gives is the same.
+        if total > self._rows and (last or total >= self._input_end(self.encoder_count())):
+            self._compute_rows(total)
 
-    def _compute_rows(self) -> None:
-        n = self.samples
-        total = 1 + n // HOP if self.ended else max(0, (n - N_FFT // 2) // HOP + 1)
-        first = len(self._mel)
-        if total <= first:
-            return
-        start = max(first * HOP - N_FFT // 2, 0)
-        padded = np.pad(self._x[start - self._base:], (max(N_FFT // 2 - first * HOP, 0), N_FFT // 2))
-        frames = np.lib.stride_tricks.as_strided(padded, (total - first, N_FFT),
-                                                 (padded.strides[0] * HOP, padded.strides[0]))
-        self._mel += list(normalize(np.abs(np.fft.rfft(frames * _WINDOW, axis=1))))
-        # NOTE: the next row needs samples from its own start on: keep only those, so that a long
-        # utterance costs each chunk its own samples, not a copy of everything before them.
-        keep = max(total * HOP - N_FFT // 2, 0)
-        if keep > self._base:
-            self._x = self._x[keep - self._base:]
-            self._base = keep
+    def _compute_rows(self, total: int) -> None:
+        first = self._rows
+        x = np.concatenate([self._x, np.zeros(N_FFT // 2)]) if self.ended else self._x
+        frames = x[(np.arange(total - first) * HOP)[:, None] + _FRAME]
+        rows = normalize(np.abs(np.fft.rfft(frames * _WINDOW, axis=1)))
+        if total > len(self._mel):
+            grown = np.empty((max(total, 2 * len(self._mel)), N_MELS), np.float32)
+            grown[:first] = self._mel[:first]
+            self._mel = grown
+        self._mel[first:total] = rows
+        self._rows = total
+        # NOTE: only the samples from the next row's start on are kept, so that a long utterance costs
+        # each chunk its own samples, not a copy of everything before them.
+        self._x = self._x[(total - first) * HOP:]
+
+    @staticmethod
+    def _input_end(j: int) -> int:
+        """Mel rows encoder input j needs while the utterance goes on."""
+        return int(MEL_PER_S * (j / FPS)) + MEL_WINDOW
 
     def encoder_count(self) -> int:
         """Encoder inputs final so far (at the end: all L)."""
-        m = len(self._mel)
+        m = self._rows
         if self.ended:
             return int((m - MEL_WINDOW) / MEL_PER_S * FPS) + 2 if m >= MEL_WINDOW else 0
         # the first j whose rows run past the mel so far: near (m - MEL_WINDOW) * FPS / MEL_PER_S
         j = max(int((m - MEL_WINDOW) * FPS / MEL_PER_S) - 1, 0)
-        while int(MEL_PER_S * (j / FPS)) + MEL_WINDOW <= m:
+        while self._input_end(j) <= m:
             j += 1
         return j
 
     def encoder_input(self, j: int) -> np.ndarray:
         """Encoder input j, [1, 80, 16]."""
-        m = len(self._mel)
+        m = self._rows
         start = int(MEL_PER_S * (j / FPS))
         if start + MEL_WINDOW > m:
             if not self.ended:
                 raise ValueError(f"encoder input {j} is not final yet")
             start = m - MEL_WINDOW
-        return np.stack(self._mel[start:start + MEL_WINDOW]).T[None].astype(np.float32)
+        return np.ascontiguousarray(self._mel[start:start + MEL_WINDOW].T)[None]
 
     def frame_count(self) -> int:
         """Frames whose windows are final so far (at the end: all L + 2)."""
