@@ -160,5 +160,6 @@ class Architectures:
             return {key: {"sizes": list(p.shapes.sizes), "frames_per_s": round(p.frames_per_s(), 1),
                           "models": len(p.users), "cuda_graphs": p.graph_slot is not None,
                           "grouped_ms": {str(s): round(t * 1000, 3) for s, t in p.grouped.call_s.items()}
-                          if p.grouped else {}, **p.call_stats()}
+                          if p.grouped else {}, "grouped_pointwise": p.grouped.pointwise if p.grouped else None,
+                          **p.call_stats()}
                     for key, p in self.prepared.items()}

@@ -9,9 +9,10 @@ out of (`grouped.packed_graph`): a step copies a row with one device copy of the
 only the rows whose model changed since the last call. Otherwise one stacked buffer per weight
 ([largest, *shape]) and one copy per weight for all rows (on a card, a call into cupy per tensor: 186 for
 unet_328, milliseconds of the worker's thread; measured on an H200, docs/benchmarks.md). The step stages
-its inputs in the architecture's staging buffers and runs once. Its measured seconds per size
-(`call_s`: copying every row's weights, then the call) against the plain calls' let a worker choose per
-step (`inference.mixed_steps: auto`).
+its inputs in the architecture's staging buffers and runs once. Its 1x1 convolutions run as grouped
+convolutions or as batched MatMuls, whichever was faster at the largest size on the device. Its measured
+seconds per size (`call_s`: copying every row's weights, then the call) against the plain calls' let a
+worker choose per step (`inference.mixed_steps: auto`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 
+POINTWISE = ("conv", "matmul")   # the N-model form's 1x1 convolutions (gpu_actor/grouped.py): both measured
+
 
 class GroupedCalls:
     """An architecture's N-model form on a device at `sizes` (made on the load thread; `run` on the main
@@ -41,17 +44,26 @@ class GroupedCalls:
         largest = max(sizes)
         dtypes = {np.dtype(d) for d in architecture.dtypes}
         self.packed = len(dtypes) == 1   # one dtype: whole buffers in one input (module docstring)
-        graphs = {size: grouped_graph(architecture, size) for size in sizes}
+
+        def graph(size: int, pointwise: str) -> bytes:
+            grouped = grouped_graph(architecture, size, pointwise)
+            return packed_graph(grouped, architecture, size) if self.packed else grouped
+
         with device.lock:
             if self.packed:
                 self.rows = device.empty((largest, layout(architecture.shapes, architecture.dtypes)[1]), np.uint8)
                 self._inputs = [(PACKED, self.rows.view(next(iter(dtypes))))]
-                graphs = {size: packed_graph(graph, architecture, size) for size, graph in graphs.items()}
             else:
                 self.stacked = [device.empty((largest, *shape), dtype)
                                 for shape, dtype in zip(architecture.shapes, architecture.dtypes)]
                 self._inputs = list(zip(architecture.weights, self.stacked))
-        self.sessions = {size: session(graph) for size, graph in graphs.items()}
+        self._graph, self._session, self.sizes = graph, session, tuple(sorted(sizes, reverse=True))
+        # the largest size in each way of running 1x1 convolutions; `warm` keeps the faster and makes the
+        # other sizes in it
+        self._candidates = {mode: session(graph(largest, mode)) for mode in POINTWISE}
+        self.pointwise: Optional[str] = None
+        self.pointwise_s: dict[str, float] = {}   # each way's call at the largest size, as measured
+        self.sessions: dict[int, object] = {}
         self._bindings: dict[int, object] = {}
         self._owners: list[Optional[weakref.ref]] = [None] * largest   # the Weights each stacked row holds
         self.call_s: dict[int, float] = {}
@@ -90,10 +102,13 @@ class GroupedCalls:
     def warm(self, model_weights: Callable[[], Optional[Weights]]) -> bool:
         """(The load thread, while the main thread may run the architecture's models: buffers of its own)
         every size, largest first: the first call pays the device's per-shape preparation, the least of
-        TIMED_CALLS more is the size's steady cost (each copying every row's weights). A size the device
-        has no memory for, or that fails to run, is dropped (its steps run as sub-calls)."""
+        TIMED_CALLS more is the size's steady cost (each copying every row's weights). The largest size
+        runs both ways of the 1x1 convolutions (POINTWISE) and the faster is made at every other size (an
+        H200 at 16 frames: batched MatMuls 14.1 ms, grouped convolutions 29.6 ms; the CPU provider: the
+        convolutions 5-8% faster). A size the device has no memory for, or that fails to run, is dropped
+        (its steps run as sub-calls)."""
         p, device = self.prepared, self.device
-        largest = max(self.sessions)
+        largest = self.sizes[0]
         weights = model_weights()
         if weights is None:   # its model is gone already
             return False
@@ -105,26 +120,59 @@ class GroupedCalls:
             staging = (device.empty((largest, *p.visual.shape[1:])), device.empty((largest, *p.audio.shape[1:])),
                        device.empty((largest, *p.out.shape[1:])))
             first = _FirstRow(self, largest)
-        for size in sorted(self.sessions, reverse=True):
-            try:
-                with self.device.lock:
-                    binding = self.binding(size, staging)
-                    self.device.run(self.sessions[size], binding, size, graphs=False)
-
-                def call(size=size, binding=binding) -> None:
-                    self._owners = [None] * len(self._owners)   # NOTE: timed with every row copied again
-                    self.load([first] * size)
-                    self.device.run(self.sessions[size], binding, size, graphs=False)
-                self.call_s[size] = least_time(self.device.lock, call)
-            except Exception as err:   # onnxruntime's own errors
-                log.warning("architecture %s: its N-model form fails at batch %d (%s: %s); such steps run one "
-                            "call per model", self.prepared.architecture.key, size,
-                            "out of memory" if out_of_memory(err) else "error", short(err))
-                with self.device.lock:
-                    self._bindings.pop(size, None)
-                    del self.sessions[size]
+        timed: dict[str, float] = {}
+        for mode, candidate in self._candidates.items():
+            self.sessions[largest] = candidate
+            if self._time(largest, staging, first, mode):
+                timed[mode] = self.call_s[largest]
+        self.pointwise_s = timed
+        if timed:
+            self.pointwise = min(timed, key=timed.get)
+            self.sessions[largest], self.call_s[largest] = self._candidates[self.pointwise], timed[self.pointwise]
+            log.info("architecture %s: the N-model form's 1x1 convolutions run as %s (%s ms a call at %d)",
+                     self.prepared.architecture.key, self.pointwise,
+                     ", ".join(f"{mode} {t * 1000:.1f}" for mode, t in timed.items()), largest)
+        with device.lock:
+            self._candidates.clear()   # NOTE: the other way's session goes now, its arena with it
+            if not timed:
+                self.sessions.clear()
+        if self.pointwise is not None:
+            for size in self.sizes[1:]:
+                try:
+                    self.sessions[size] = self._session(self._graph(size, self.pointwise))
+                except Exception as err:   # onnxruntime's own errors
+                    self._failed(size, err)
+                    continue
+                self._time(size, staging, first, self.pointwise)
+        self.sessions, self.call_s = dict(sorted(self.sessions.items())), dict(sorted(self.call_s.items()))
         self._owners = [None] * len(self._owners)
         return bool(self.sessions)
+
+    def _time(self, size: int, staging: tuple, first: "_FirstRow", mode: str) -> bool:
+        """(warm) the first call at `size`, then its steady cost into call_s; a failure drops the size."""
+        try:
+            with self.device.lock:
+                binding = self.binding(size, staging)
+                self.device.run(self.sessions[size], binding, size, graphs=False)
+
+            def call() -> None:
+                self._owners = [None] * len(self._owners)   # NOTE: timed with every row copied again
+                self.load([first] * size)
+                self.device.run(self.sessions[size], binding, size, graphs=False)
+            self.call_s[size] = least_time(self.device.lock, call)
+            return True
+        except Exception as err:   # onnxruntime's own errors
+            self._failed(size, err, mode)
+            return False
+
+    def _failed(self, size: int, err: Exception, mode: str = "") -> None:
+        log.warning("architecture %s: its N-model form%s fails at batch %d (%s: %s); such steps run one call "
+                    "per model", self.prepared.architecture.key, f" ({mode})" if mode else "", size,
+                    "out of memory" if out_of_memory(err) else "error", short(err))
+        with self.device.lock:
+            self._bindings.pop(size, None)
+            self.sessions.pop(size, None)
+            self.call_s.pop(size, None)
 
     def run(self, size: int, rows: list[Weights]) -> None:
         """(The main thread) one call at `size` whose row i runs with rows[i] (padding rows: any model's)."""

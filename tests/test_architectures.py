@@ -141,9 +141,13 @@ def test_the_first_model_prepares_every_size_once_later_models_of_its_architectu
         second.run(VisualFrames(crops[:n], np.empty((n, 6, 320, 320), np.float32)), _inputs(n)[1],
                    np.empty((n, 3, 320, 320), np.float32))
     assert device.stalls == prepared, "a call met a size that was not prepared"
-    # with a second model loaded, the load thread prepares the N-model form at 2, 4, 8 (after the load)
+    # with a second model loaded, the load thread prepares the N-model form at 2, 4, 8 (after the load),
+    # at 8 both ways of its 1x1 convolutions
     archs.prepare_more(weakref.ref(second))
-    assert device.stalls == prepared + 3 and tuple(first.prepared.grouped.sessions) == (2, 4, 8)
+    assert device.stalls == prepared + 4 and tuple(first.prepared.grouped.sessions) == (2, 4, 8)
+    grouped = first.prepared.grouped
+    assert set(grouped.pointwise_s) == {"conv", "matmul"}
+    assert grouped.pointwise == min(grouped.pointwise_s, key=grouped.pointwise_s.get)
     prepared = device.stalls
     archs.load(write_model(tmp_path / "other.onnx", kind="tiny", audio="hubert"))
     assert device.stalls == prepared + 2 * 4 and len(archs.prepared) == 2   # a graph like no other: its own

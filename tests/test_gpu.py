@@ -176,3 +176,36 @@ def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
     sessions = len(runner.prepared.sessions) + 1
     print(f"\nthreads: {grown} more for {sessions} sessions")
     assert grown < sessions
+
+
+def test_a_grouped_step_on_the_device_gives_each_frame_its_own_models_mouths(tmp_path, device):
+    """A step of two models' frames (one of them twice, 5 frames padded to 8) in one call of the N-model
+    form, its 1x1 convolutions in whichever way the device ran faster at preparation: each part's mouths
+    are what the CPU provider gives for its own model alone."""
+    import weakref
+
+    from gpu_actor.architectures import Architectures
+    from gpu_actor.own_session import OwnSessionRunner
+    from gpu_actor.runner import Part
+    kind = "unet328" if _card(device) else "tiny"
+    paths = [write_model(tmp_path / f"m{k}.onnx", kind=kind, audio="ave", seed=k) for k in (1, 2)]
+    archs = Architectures(device, 8, 0, False, mixed="grouped")
+    runners = [archs.load(p) for p in paths]
+    archs.prepare_more(weakref.ref(runners[1]))
+    prepared = runners[0].prepared
+    grouped = prepared.grouped
+    assert grouped is not None and tuple(grouped.sessions) == (2, 4, 8)
+    assert set(grouped.pointwise_s) == {"conv", "matmul"}
+    print(f"\nthe N-model form at 8: " + ", ".join(f"{m} {s * 1000:.2f} ms" for m, s in grouped.pointwise_s.items())
+          + f"; kept {grouped.pointwise}")
+    rng = np.random.default_rng(3)
+    rows = (2, 1, 2)   # models 0, 1, 0
+    inputs = [(rng.random((n, 6, 320, 320), dtype=np.float32), rng.standard_normal((n, 32, 16, 16)).astype(np.float32))
+              for n in rows]
+    outs = [np.full((n, 3, 320, 320), np.nan, np.float32) for n in rows]
+    parts = [Part(v, a, o) for (v, a), o in zip(inputs, outs)]
+    prepared.run_grouped([(runners[0], [parts[0], parts[2]]), (runners[1], [parts[1]])])
+    for k, ((visual, audio), out) in enumerate(zip(inputs, outs)):
+        want = np.empty_like(out)
+        OwnSessionRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
+        np.testing.assert_allclose(out, want, rtol=0, atol=_atol(device), err_msg=f"part {k}")
