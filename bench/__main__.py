@@ -102,6 +102,10 @@ def main() -> int:
     gpu.add_argument("--avatar-levels", type=_counts, default=None,
                      help="gpu bench: live PCM levels with each session on an avatar of its own (one architecture, "
                           "other weights; default 48,150 on a GPU, 2 on the CPU; '' for none)")
+    gpu.add_argument("--sections", type=_names, default=(), metavar="LIST",
+                     help="only these sections, the others skipped and named: a comma list of first_call, anchor, "
+                          "served, live, live_pcm, live_avatars, first_frame, load_while_speaking, own_vs_shared, "
+                          "alternating, served_<variant>, variants, residency (default: every one)")
     gpu.add_argument("--live-s", type=float, metavar="S", help="seconds per live level (default --seconds)")
     gpu.add_argument("--speaking-share", type=float, default=0.27, metavar="F",
                      help="share of the time each session of a live level speaks, 0 to 1 (default 0.27; 1: all "
@@ -128,7 +132,7 @@ def main() -> int:
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
                                        live_s=args.live_s, budget_s=args.budget_s,
                                        avatar_levels=args.avatar_levels, speaking_share=args.speaking_share,
-                                       shed=not args.no_shed)
+                                       shed=not args.no_shed, sections=args.sections)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)
@@ -164,7 +168,7 @@ def main() -> int:
             results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
-                                               shed=not args.no_shed)
+                                               shed=not args.no_shed, sections=args.sections)
     if args.what in ("all", "transport"):
         from bench import transport
         mix = [(n, round(n * transport.SPEAKING_SHARE)) for n in levels] + [(n, 0) for n in args.silent]

@@ -46,8 +46,8 @@ from typing import Callable, Optional
 
 from bench.gpu_device import anchor, device_name, own_vs_shared, pick_device, print_anchor, \
     print_own_vs_shared
-from bench.gpu_server import COLD_S, WARM_S, LazyServer, alternating, alternating_calls, first_calls, first_frames, live, \
-    load_while_speaking, residency, served, stop_children
+from bench.gpu_server import COLD_S, GROUPED_WAIT_S, WARM_S, LazyServer, alternating, alternating_calls, first_calls, \
+    first_frames, live, load_while_speaking, residency, served, stop_children
 from gpu_actor.device import CPU, STAND_IN_ENV, is_gpu
 from gpu_actor.onnx_sessions import cuda_id
 from gpu_actor.shapes import prepared_sizes
@@ -78,6 +78,7 @@ class GpuBenchOptions:
     speaking_share: float = 0.27            # of each live session's time
     shed: bool = True                       # sessions.shed_speech
     budget_s: Optional[float] = None        # the whole run; None: no limit
+    sections: tuple[str, ...] = ()          # only these (SECTIONS; served_<variant>); (): every one
 
 
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,
@@ -86,7 +87,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             stand_in: Optional[float] = None, budget_ms: int = 280, variants: Optional[tuple[str, ...]] = None,
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
             budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None,
-            speaking_share: float = 0.27, shed: bool = True) -> GpuBenchOptions:
+            speaking_share: float = 0.27, shed: bool = True, sections: tuple[str, ...] = ()) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -101,13 +102,17 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
         raise ValueError(f"--speaking-share {speaking_share:g}: expected a share of the time, above 0 and at most 1")
     if budget_s is not None and budget_s <= 0:
         raise ValueError(f"--budget-s {budget_s:g}: expected the whole run's seconds, > 0")
+    unknown = [name for name in sections if name not in SECTIONS and not name.startswith("served_")]
+    if unknown:
+        raise ValueError(f"--sections {','.join(unknown)}: expected a comma list of {', '.join(SECTIONS)} "
+                         "(served_<variant> for a further variant's)")
     return GpuBenchOptions(device, model, pick(max_batch, 32, 4), pick(levels, (16, 48, 96, 150, 200), (1, 2)),
                            seconds, pick(speaking, 20, 2), pick(max_models, 1000, 8), pick(avatars, 4, 2),
                            pick(residency_s, 240.0, 60.0), stand_in, budget_ms, steady_calls=10 if gpu else 3,
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
                            avatar_levels=pick(avatar_levels, (48, 150), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
-                           speaking_share=speaking_share, shed=shed)
+                           speaking_share=speaking_share, shed=shed, sections=tuple(sections))
 
 
 def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
@@ -167,6 +172,8 @@ def _written(kind: str, seed: int) -> Callable[[Path], None]:
 # NOTE: docs/benchmarks.md, an H100: a first call at a new batch size took 3.1-5.7 s (cuDNN EXHAUSTIVE);
 # the estimates take the worst until this run has measured its own
 GPU_FIRST_CALL_S = 5.7
+SECTIONS = ("first_call", "anchor", "served", "live", "live_pcm", "live_avatars", "first_frame", "load_while_speaking",
+            "own_vs_shared", "alternating", "variants", "residency")   # in the order they run
 STOP_S = 5.0          # a server's stop (SIGTERM, drain, its processes gone): kept in hand while one runs
 LEVEL_S = 3.0         # a live level's sessions opened and closed, besides its seconds
 FP16_PROBES = 2       # inference.precision fp16's first load runs an fp32 probe and an fp16 one (or more)
@@ -249,8 +256,10 @@ class SectionRunner:
     """One run's sections: the budget check, the heading, the figures (or the error, or why it was
     skipped, or the signal that stopped it), the time against the estimate, and `save` after each."""
 
-    def __init__(self, results: dict, budget: Budget, signals: Signals, save: Callable[[dict], None]):
+    def __init__(self, results: dict, budget: Budget, signals: Signals, save: Callable[[dict], None],
+                 only: tuple[str, ...] = ()):
         self.results, self.budget, self.signals, self._save = results, budget, signals, save
+        self.only = only   # --sections: the others are skipped, named
         self.servers: list[LazyServer] = []
         self.stopped_in = "setup"   # the section a signal stopped (else the run's setup)
 
@@ -271,9 +280,14 @@ class SectionRunner:
             raise Interrupted(self.signals.name())
         print(f"\n{heading}", flush=True)
         run = self.results["run"]
-        if not self.fits(estimate_s):
+        if self.only and name not in self.only:
+            reason = "not in --sections"
+        elif not self.fits(estimate_s):
             reason = (f"about {estimate_s:.0f} s, {max(self.left(), 0):.0f} s of --budget-s "
                       f"{self.budget.seconds:g} left")
+        else:
+            reason = None
+        if reason is not None:
             self.results[name] = {"skipped": reason}
             run["skipped"][name] = reason
             print(f"  skipped: {reason}", flush=True)
@@ -403,7 +417,7 @@ def run(demo_dir: str, o: GpuBenchOptions, save: Callable[[dict], None] = lambda
           + (f"; --budget-s {o.budget_s:g}, {budget.elapsed():.0f} s spent before the first section"
              if o.budget_s is not None else ""), flush=True)
     signals = Signals()
-    r = SectionRunner(results, budget, signals, save)
+    r = SectionRunner(results, budget, signals, save, o.sections)
     signals.install()
     try:
         _sections(r, root, demo, o, env, sizes)
@@ -525,7 +539,7 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
         most = max(o.avatar_levels)
         r.section("live_avatars", f"live sessions speaking 16 kHz PCM, each on an avatar of its own ({o.model}, one "
                   f"architecture, other weights; 20-ms chunks in real time, {share} speaking, {o.live_s:g} s per level):",
-                  levels_s(o.avatar_levels) + COLD_S + LEVEL_S + most * (costs.write_s + costs.load_s),
+                  levels_s(o.avatar_levels) + COLD_S + GROUPED_WAIT_S + LEVEL_S + most * (costs.write_s + costs.load_s),
                   lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share,
                                models=tuple(avatar(models, f"v{k:03d}", demo, _written(o.model, 500 + k), encoder=True)
                                             for k in range(most))))

@@ -194,6 +194,7 @@ def served(srv, model: str, batches: tuple[int, ...], sizes: tuple[int, ...], a:
 # -- live sessions and models ------------------------------------------------------------------------
 
 COLD_S = 6.0   # live(): the first speech of every avatar, before the levels
+GROUPED_WAIT_S = 60.0   # live(): at most this long for the N-model form, with several avatars
 
 
 def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
@@ -207,6 +208,8 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
     with srv.client(timeout_s=600) as c:   # their loads (and a GPU's warm-up of every shape) are not a level's
         for model in models:
             c.load(model)
+    if len(models) > 1:
+        _await_grouped(srv)
     out = []
     if len(models) > 1:
         print(f"    first speech of each of the {len(models)} avatars at once (cold: their backgrounds decoded "
@@ -232,6 +235,28 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
               + (f" = {r['worker_cpu_per_1000_fps']:.0f}% per 1,000 frames/s" if inferred else ""), flush=True)
         out.append(r)
     return out
+
+
+def _await_grouped(srv, most_s: float = GROUPED_WAIT_S) -> Optional[float]:
+    """Wait (at most `most_s`) until every architecture with several models loaded has its N-model form
+    (gpu_actor/mixed.py: prepared on a thread of its own once a second avatar loads, seconds of first calls
+    on a GPU), so that the levels measure steps as they run once it is ready; printed. The seconds waited,
+    or None where it was not ready in time."""
+    started = time.monotonic()
+    while True:
+        archs = [a for w in _model_stats(srv).get("workers", []) for a in (w.get("architectures") or {}).values()
+                 if a.get("models", 0) > 1]
+        waited = time.monotonic() - started
+        if all(a.get("grouped_ms") for a in archs):
+            ways = sorted({str(a.get("grouped_pointwise")) for a in archs})
+            print(f"    the N-model form ready after {waited:.1f} s (its 1x1 convolutions as {', '.join(ways)}; ms a "
+                  f"call by size: {'; '.join(str(a['grouped_ms']) for a in archs)})" if archs else
+                  "    no architecture with several models loaded: no N-model form to wait for", flush=True)
+            return waited
+        if waited >= most_s:
+            print(f"    the N-model form not ready after {waited:.0f} s: the levels run with what is ready", flush=True)
+            return None
+        time.sleep(0.5)
 
 
 def _calls(srv) -> dict:

@@ -187,3 +187,17 @@ def test_a_section_that_would_not_fit_the_budget_is_skipped_and_named():
     no_limit = SectionRunner({"run": {"sections": {}, "skipped": {}}}, Budget(None, started=0.0), Signals(),
                              lambda r: None)
     assert no_limit.fits(1e9)
+
+
+def test_sections_not_asked_for_are_skipped_and_named_and_an_unknown_name_is_refused():
+    from bench.gpu import options
+    results = {"run": {"sections": {}, "skipped": {}}}
+    ran = []
+    run = SectionRunner(results, Budget(None, started=0.0), Signals(), lambda r: None, only=("b",))
+    for name in ("a", "b"):
+        run.section(name, f"{name}:", 1.0, lambda name=name: ran.append(name) or {"x": name})
+    assert ran == ["b"] and results["b"] == {"x": "b"}
+    assert results["a"] == {"skipped": "not in --sections"} and results["run"]["skipped"] == {"a": "not in --sections"}
+    assert options("cpu", sections=("live_avatars", "served_fp16")).sections == ("live_avatars", "served_fp16")
+    with pytest.raises(ValueError, match="--sections live_avatar: expected a comma list of first_call"):
+        options("cpu", sections=("live_avatar",))
