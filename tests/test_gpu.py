@@ -196,7 +196,7 @@ def test_a_grouped_step_on_the_device_gives_each_frame_its_own_models_mouths(tmp
     grouped = prepared.grouped
     assert grouped is not None and tuple(grouped.sessions) == (2, 4, 8)
     assert set(grouped.pointwise_s) == {"conv", "matmul"}
-    print(f"\nthe N-model form at 8: " + ", ".join(f"{m} {s * 1000:.2f} ms" for m, s in grouped.pointwise_s.items())
+    print("\nthe N-model form at 8: " + ", ".join(f"{m} {s * 1000:.2f} ms" for m, s in grouped.pointwise_s.items())
           + f"; kept {grouped.pointwise}")
     rng = np.random.default_rng(3)
     rows = (2, 1, 2)   # models 0, 1, 0
