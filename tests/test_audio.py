@@ -154,6 +154,12 @@ def test_pcm_in_20_ms_chunks_gives_the_whole_utterances_inputs_and_windows():
         stream.push(chunk, last=n == len(chunks) - 1)
         for j in range(seen_inputs, stream.encoder_count()):   # final as soon as they are counted
             np.testing.assert_array_equal(stream.encoder_input(j), inputs[j])
+        if stream.encoder_count():   # (as a frame's request takes them: several in one copy)
+            np.testing.assert_array_equal(stream.encoder_inputs(0, stream.encoder_count()),
+                                          inputs[:stream.encoder_count()])
+        if not stream.ended:
+            with pytest.raises(ValueError, match="is not final yet"):
+                stream.encoder_inputs(0, stream.encoder_count() + 1)
         seen_inputs = stream.encoder_count()
         ready = stream.frame_count()
         assert ready >= seen_frames

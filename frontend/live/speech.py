@@ -108,7 +108,7 @@ class SpeechBatcher:
             rows = np.array([r for _, r in part])
             used = rows[rows >= 0]
             a, b = int(used.min()), int(used.max())
-            inputs = np.stack([stream.encoder_input(j) for j in range(a, b + 1)])
+            inputs = stream.encoder_inputs(a, b + 1)
             self._submit_pcm(session, [k for k, _ in part], inputs, np.where(rows >= 0, rows - a, -1),
                              stream.name, a)
 
