@@ -168,7 +168,7 @@ def main() -> int:
             results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
-                                               shed=not args.no_shed, sections=args.sections)
+                                               shed=not args.no_shed)
     if args.what in ("all", "transport"):
         from bench import transport
         mix = [(n, round(n * transport.SPEAKING_SHARE)) for n in levels] + [(n, 0) for n in args.silent]
