@@ -16,7 +16,9 @@
 #   nvidia-smi and the imports                                                          ~5 s
 #   GPU tests: ~15 first calls (unet_328 at sizes 1-8, fp16 probes) 47-86 s + CPU references, cut at TESTS_S
 #                                                                                     <= 150 s  -> <= 155 s
-#   bench: --budget-s = TOTAL_S 450 - 30 - what came before, >= 265 s; limits.max_batch 32: 6 prepared sizes,
+#   bench.grouped at 16: four first calls 15 s + its sessions and timed calls (an H200: 34 s in all), cut at
+#   GROUPED_S                                                                          <= 60 s  -> <= 215 s
+#   bench: --budget-s = TOTAL_S 450 - 30 - what came before, >= 205 s; limits.max_batch 32: 6 prepared sizes,
 #   8 batches served (1 2 3 4 8 16 24 32); seconds from the bench's start:
 #     its start: imports, the demo avatar                                               ~5 s
 #     1 first call per size after ready: a server 15 s, its load 6 F + 2 s, 8 x 11 calls    54 s ->  59
@@ -40,6 +42,10 @@ python3 -c "import onnxconverter_common" 2>/dev/null || echo "onnxconverter-comm
 timeout -s INT -k 10 "${TESTS_S:-150}" python3 -m pytest -q -s -p no:cacheprovider --durations=10 \
     -k "not standin" tests/test_gpu.py tests/test_gpu_install.py > "$out/gpu-tests.txt" 2>&1   # (CI runs the stand-in's)
 echo "gpu tests: exit $? after ${SECONDS} s" >> "$out/device.txt"
+# the N-model form at 16 frames of 16 avatars against 16 frames of one, in one process (GROUPED_S caps it)
+timeout -s INT -k 5 "${GROUPED_S:-60}" python3 -m bench.grouped --sizes 16 --seconds 1 --budget-s $((${GROUPED_S:-60} - 10)) \
+    --json "$out/grouped.json" > "$out/grouped.txt" 2>&1
+echo "bench.grouped: exit $? after ${SECONDS} s" >> "$out/device.txt"
 left=$((total - SECONDS))
 if ((left < 90)); then
   echo "bench gpu: not run, ${left} s of TOTAL_S ${total} left" >> "$out/device.txt"
@@ -50,4 +56,5 @@ else
       > "$out/bench-gpu.txt" 2>&1
   echo "bench gpu: exit $? after ${SECONDS} s (124: past its budget, stopped by SIGINT, JSON kept)" >> "$out/device.txt"
 fi
-tail -n 3 "$out/gpu-tests.txt"; tail -n 60 "$out/bench-gpu.txt" 2>/dev/null; tail -n 4 "$out/device.txt"
+tail -n 3 "$out/gpu-tests.txt"; grep -A 2 "one model ms" "$out/grouped.txt"; tail -n 60 "$out/bench-gpu.txt" 2>/dev/null
+tail -n 5 "$out/device.txt"
