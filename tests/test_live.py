@@ -289,6 +289,7 @@ def test_a_failed_speech_batch_goes_out_idle_and_counts_missed():
     clock.advance((first + 3) / FPS + 0.1)
     stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
     assert stats["missed"] == 2 and stats["frames_speech"] == 0, stats
+    assert stats["missed_in"] == {"failed (unavailable)": 2}, stats   # what its request was answered
 
 
 def test_a_cut_utterance_in_flight_never_fills_the_next_utterances_frames():

@@ -38,7 +38,7 @@ class SpeechBatch:
         self.batcher.done(r, self)
 
     def failed(self, r: Request, code, message: str) -> None:
-        self.batcher.failed(self, message)
+        self.batcher.failed(self, getattr(code, "value", code), message)
 
 
 def speech_stages(timing: dict, answered: dict) -> dict:
@@ -217,9 +217,9 @@ class SpeechBatcher:
             if session is not None:
                 session.ready(k, utterance, image, stages, now)
 
-    def failed(self, batch: SpeechBatch, message: str) -> None:
+    def failed(self, batch: SpeechBatch, code: str, message: str) -> None:
         for token, k, utterance in batch.targets:
             session = self.table.get(token)
             if session is not None:
-                session.failed(k, utterance)   # it goes out idle, counted as missed; the stream goes on
+                session.failed(k, utterance, code)   # it goes out idle, counted as missed; the stream goes on
         log.info("%d session speech frame(s) failed: %s", len(batch.targets), message)

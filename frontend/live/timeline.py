@@ -106,7 +106,7 @@ class SpeechFrame:
 
     received: float
     image: Any = None
-    failed: bool = False
+    failed: str = ""                    # its request's error code: it failed
     audio: Optional[bytes] = None
     utterance: Optional[int] = None
     last: bool = False                  # the utterance's last frame
@@ -120,7 +120,7 @@ class SpeechFrame:
     def where(self) -> str:
         """The stage it is in now (for a frame missed: where it was when due)."""
         if self.failed:
-            return "failed"
+            return f"failed ({self.failed})"   # e.g. "failed (timeout)": what its request was answered
         return "batching" if self.submitted is None else "inference+composite"
 
 
@@ -389,10 +389,11 @@ class LiveSession:
             if stages is not None and speech.submitted is not None:
                 speech.stages = {"batching": (speech.submitted - speech.received) * 1000, **stages}
 
-    def failed(self, k: int, utterance: Optional[int]) -> None:
+    def failed(self, k: int, utterance: Optional[int], code: str = "error") -> None:
+        """Speech frame k's request failed with `code`: when due it goes out idle, counted missed."""
         speech = self._waiting(k, utterance)
         if speech is not None:
-            speech.failed = True
+            speech.failed = code
 
     def box_lost(self, frame: Outgoing) -> None:
         """Speech frame `frame` (from `advance`) cannot be made after all (its H.264 face box stayed in a
