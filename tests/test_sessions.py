@@ -483,3 +483,44 @@ def test_the_avatar_sdk_streams_audio_without_waiting_for_each_reply(server):
             await stream.close()
 
     asyncio.run(scenario())
+
+
+def test_the_avatar_sdk_sends_a_tts_s_10_ms_frames_in_chunks_of_a_video_frame_at_least(server):
+    """After the look-ahead, chunks of less than a frame's audio (LiveKit's 10-ms frames) wait for more:
+    the server reads a quarter of the requests, and the frames carry exactly the samples said."""
+    import asyncio
+    import urllib.request
+
+    from lipsync_client.avatar import AvatarStream
+    pcm = (np.random.default_rng(6).standard_normal(8000 + 50 * 160) * 3000).astype("<i2")
+
+    def audio_requests() -> float:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                   if line.startswith("lipsync_requests_total{") and 'op="session_audio"' in line)
+
+    async def scenario() -> None:
+        stream = AvatarStream(server.endpoint, "a", sample_rate=16000)
+        await stream.open()
+        try:
+            before = audio_requests()
+            u = stream.begin()
+            await stream.say(pcm[:8000], u)   # the look-ahead: one chunk
+            for i in range(50):                # 10-ms frames, as LiveKit's TTS gives them
+                await stream.say(pcm[8000 + i * 160:8000 + (i + 1) * 160], u)
+            assert await stream.end(u) == u
+            # the head, 500 ms in 40-ms chunks (12, 20 ms held), the end with what was held
+            assert audio_requests() - before == 1 + 12 + 1
+            said = []
+            while True:
+                frame = await stream.next()
+                if frame.utterance == u:
+                    said.append(frame.audio)
+                    if frame.ended:
+                        break
+            got = np.frombuffer(b"".join(said), "<i2")
+            assert np.array_equal(got[:len(pcm)], pcm) and not got[len(pcm):].any()
+        finally:
+            await stream.close()
+
+    asyncio.run(scenario())

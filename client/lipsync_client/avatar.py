@@ -17,7 +17,10 @@ in) are dropped, and its frames still on their way from the server come out with
 place of its speech image, the avatar's last idle frame. A full server (`busy`) is asked again when
 it says, for up to `busy_wait_s`. The first ~453 ms of an utterance (the
 model's look-ahead) is sent as one chunk: the server then places its first frame by the audio in
-hand, the latency budget ahead (a TTS faster than real time has it sooner than that).
+hand, the latency budget ahead (a TTS faster than real time has it sooner than that). After it, a
+chunk of less than a video frame's audio (40 ms; LiveKit's frames are 10 ms) waits here for more: each
+chunk is a request the server reads and answers, and fewer, larger ones cost its event loop less; the
+samples held are sent at `end` whatever their length.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class AvatarStream:
         self._sent = False                    # ... whether any of it went to the server
         self._head: Optional[bytearray] = None   # ... its first samples, until the look-ahead is in hand
         self._head_needed = -(-LOOKAHEAD_SAMPLES * sample_rate // SAMPLE_RATE)
+        self._held = bytearray()              # ... samples after the head, fewer than a chunk's (`_chunk`)
+        self._chunk = sample_rate // 25       # the least a chunk sends: one video frame's audio (40 ms)
         self.playing: set[int] = set()        # said, and not yet played to its last frame
         # NOTE: chunks go out without waiting for each reply (their order is the socket's), so that the
         # TTS's pace is not the server's round trip; what a reply says is raised at the next say or end
@@ -122,7 +127,7 @@ class AvatarStream:
     def begin(self) -> int:
         """A new utterance; the one being said, if any, is left for `end` (its chunks are refused now)."""
         self._last_id += 1
-        self._id, self._sent, self._head = self._last_id, False, bytearray()
+        self._id, self._sent, self._head, self._held = self._last_id, False, bytearray(), bytearray()
         return self._id
 
     async def say(self, pcm: np.ndarray, utterance: Optional[int] = None) -> bool:
@@ -140,6 +145,11 @@ class AvatarStream:
             if len(self._head) // 2 < self._head_needed:
                 return True
             pcm, self._head = np.frombuffer(bytes(self._head), "<i2"), None
+        elif self._held or len(pcm) < self._chunk:
+            self._held += pcm.tobytes()
+            if len(self._held) // 2 < self._chunk:
+                return True
+            pcm, self._held = np.frombuffer(bytes(self._held), "<i2"), bytearray()
         await self._send(utterance, pcm, last=False)
         return True
 
@@ -148,10 +158,11 @@ class AvatarStream:
         Returns its id (None: it said nothing, or it was not being said: nothing will mark it)."""
         if self._id is None or utterance not in (None, self._id):
             return None
-        utterance, sent, head = self._id, self._sent, np.frombuffer(bytes(self._head or b""), "<i2")
+        utterance, sent = self._id, self._sent
+        head = np.frombuffer(bytes(self._head if self._head is not None else self._held), "<i2")
         # NOTE: the state changes before the await: what comes meanwhile (more audio, an interrupt) sees
         # the utterance ended
-        self._id, self._head = None, None
+        self._id, self._head, self._held = None, None, bytearray()
         if not sent and not len(head):
             return None
         await self._send(utterance, head, last=True)
@@ -163,7 +174,7 @@ class AvatarStream:
         not played is dropped, and so is whatever of them is said later; idle frames follow."""
         # NOTE: retired here before the request goes: a frame read meanwhile already counts as cut
         self.retired = self._last_id
-        self._id, self._head = None, None
+        self._id, self._head, self._held = None, None, bytearray()
         self.playing.clear()
         for task in self._in_flight:   # what their replies say no longer matters: they are retired
             task.cancel()
