@@ -279,16 +279,11 @@ class PcmStream:
 
     def encoder_input(self, j: int) -> np.ndarray:
         """Encoder input j, [1, 80, 16]."""
-        m = self._rows
-        start = int(MEL_PER_S * (j / FPS))
-        if start + MEL_WINDOW > m:
-            if not self.ended:
-                raise ValueError(f"encoder input {j} is not final yet")
-            start = m - MEL_WINDOW
-        return np.ascontiguousarray(self._mel[start:start + MEL_WINDOW].T)[None]
+        return self.encoder_inputs(j, j + 1)[0]
 
     def encoder_inputs(self, a: int, b: int) -> np.ndarray:
-        """Encoder inputs a .. b-1, [b - a, 1, 80, 16] (each as `encoder_input` gives it), in one copy."""
+        """Encoder inputs a .. b-1, [b - a, 1, 80, 16], in one copy (input j: mel rows int(80j/25) .. +15,
+        moved back at the end to end at the last row)."""
         m = self._rows
         starts = (MEL_PER_S * (np.arange(a, b) / FPS)).astype(np.intp)
         late = starts + MEL_WINDOW > m
