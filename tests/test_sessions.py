@@ -444,6 +444,17 @@ def test_the_avatar_sdk_waits_for_room_on_a_full_server_as_the_server_says(model
         asyncio.run(scenario(srv.endpoint))
 
 
+async def _played(stream, utterance: int) -> np.ndarray:
+    """The samples the frames of `utterance` carry, up to its last frame (AvatarStream.next)."""
+    said = []
+    while True:
+        frame = await stream.next()
+        if frame.utterance == utterance:
+            said.append(frame.audio)
+            if frame.ended:
+                return np.frombuffer(b"".join(said), "<i2")
+
+
 def test_the_avatar_sdk_streams_audio_without_waiting_for_each_reply(server):
     """AvatarStream.say sends a chunk and returns without waiting for its reply (chunks in flight, in
     the socket's order), so that a TTS's pace is not the server's round trip: with the frontend
@@ -470,14 +481,7 @@ def test_the_avatar_sdk_streams_audio_without_waiting_for_each_reply(server):
             finally:
                 os.kill(frontend, signal.SIGCONT)
             assert await stream.end(u) == u
-            said = []
-            while True:
-                frame = await stream.next()
-                if frame.utterance == u:
-                    said.append(frame.audio)
-                    if frame.ended:
-                        break
-            got = np.frombuffer(b"".join(said), "<i2")
+            got = await _played(stream, u)
             assert np.array_equal(got[:len(pcm)], pcm) and not got[len(pcm):].any()
         finally:
             await stream.close()
@@ -511,14 +515,7 @@ def test_the_avatar_sdk_sends_a_tts_s_10_ms_frames_in_chunks_of_a_video_frame_at
             assert await stream.end(u) == u
             # the head, 500 ms in 40-ms chunks (12, 20 ms held), the end with what was held
             assert audio_requests() - before == 1 + 12 + 1
-            said = []
-            while True:
-                frame = await stream.next()
-                if frame.utterance == u:
-                    said.append(frame.audio)
-                    if frame.ended:
-                        break
-            got = np.frombuffer(b"".join(said), "<i2")
+            got = await _played(stream, u)
             assert np.array_equal(got[:len(pcm)], pcm) and not got[len(pcm):].any()
         finally:
             await stream.close()
