@@ -20,7 +20,10 @@ from pipecat.frames.frames import (  # noqa: E402
     TTSStartedFrame,
     TTSStoppedFrame,
 )
+from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+from pipecat.transports.base_output import BaseOutputTransport  # noqa: E402
+from pipecat.transports.base_transport import TransportParams  # noqa: E402
 
 from lipsync_client.pipecat import LipsyncVideoService  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.slow
 N_FRAMES = 6
 RATE = 24000
 CHUNK = RATE // 50            # 20-ms TTS chunks
+STALL_S = 1.0                 # how long the loaded host's audio output holds up (PlayingOutput)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +109,90 @@ def test_tts_speech_becomes_frames_and_the_same_samples_and_the_stop_follows_the
     assert len(moved) >= 0.5 * len(speaking), (len(moved), len(speaking))
     assert all(outside_face_is_own(img, backgrounds) for img in moved), "pixels changed outside the face box"
     assert len({img.tobytes() for img in moved}) > len(moved) // 2, "the mouth does not move"
+
+
+class PlayingOutput(BaseOutputTransport):
+    """An output transport as a loaded host runs one: a write of audio returns once its samples have
+    played (in real time), and once, 0.8 s into the speech, the audio holds up STALL_S (its sender was
+    not scheduled). What it shows is kept with the clock and the samples played by then."""
+
+    def __init__(self, live: bool = False):
+        super().__init__(TransportParams(audio_out_enabled=True, audio_out_sample_rate=RATE, video_out_enabled=True,
+                                         video_out_is_live=live, video_out_width=320, video_out_height=240,
+                                         video_out_framerate=25))
+        self.played = 0
+        self.stall: tuple[float, float] = (0.0, 0.0)   # (from, to) on the loop's clock
+        self.shown: list[tuple[float, int, bytes]] = []
+
+    async def start(self, frame):
+        await super().start(frame)
+        await self.set_transport_ready(frame)
+
+    async def write_audio_frame(self, frame) -> bool:
+        loop = asyncio.get_running_loop()
+        n = len(frame.audio) // 2
+        if self.played < 0.8 * RATE <= self.played + n:
+            start = loop.time()
+            await asyncio.sleep(STALL_S)
+            self.stall = (start, loop.time())
+        await asyncio.sleep(n / RATE)
+        self.played += n
+        return True
+
+    async def write_video_frame(self, frame) -> bool:
+        self.shown.append((asyncio.get_running_loop().time(), self.played, frame.image))
+        return True
+
+
+def test_the_face_waits_for_the_voice_when_the_transports_audio_falls_behind(server, backgrounds):
+    """The transport's audio output stalls mid-speech: the face holds while the voice is held up, and
+    moves on with it after (each image is queued with the audio before it)."""
+    pcm = tts_speech(RATE, seconds=2.5)
+    output = PlayingOutput()
+    down, up = asyncio.run(run_test(Pipeline([LipsyncVideoService(model="face", endpoint=server.endpoint), output]),
+                                    frames_to_send=[SleepFrame(0.5), TTSStartedFrame(), *tts_frames(pcm),
+                                                    TTSStoppedFrame(), SleepFrame(5.0)],
+                                    start_timeout=15))
+    assert not [f for f in up if isinstance(f, ErrorFrame)], up
+    assert output.played >= len(pcm), (output.played, len(pcm))
+    start, end = output.stall
+    assert end - start >= STALL_S, output.stall
+    own = {bg.tobytes() for bg in backgrounds[0]}
+    mouths = [(t, played, img) for t, played, img in output.shown if img not in own]
+    held = len({img for t, _, img in mouths if start < t < end})
+    after = len({img for t, _, img in mouths if t > end})
+    # the server sent ~25 new mouths during the stall: none of them was shown while the voice waited
+    # (the one set before it may be drawn first inside it)
+    assert held <= 2, (held, "mouths shown while the voice was held up")
+    assert after >= 10, after
+    # each mouth shown while its own frame's audio plays: not before the audio ahead of it (the samples
+    # the transport wrote before it, in the order it handled them), nor past its own frame's (a mouth
+    # may come again, in another frame: any of its frames will do)
+    frame = RATE // 25
+    ahead: dict[bytes, list[int]] = {}
+    samples = 0
+    for f in down:
+        if isinstance(f, TTSAudioRawFrame):
+            samples += len(f.audio) // 2
+        elif isinstance(f, OutputImageRawFrame) and f.image not in own:
+            ahead.setdefault(f.image, []).append(samples)
+    off = [([k // frame for k in ahead[img]], played / frame) for _, played, img in mouths
+           if not any(k <= played <= k + 2 * frame for k in ahead[img])]
+    assert len(ahead) >= 20 and not off, (len(ahead), off[:10])
+
+
+def test_a_live_video_output_is_named_as_showing_no_frames(server):
+    """Images queued with the audio are never shown by a live video output: the service says what to set."""
+    from loguru import logger
+    said: list[str] = []
+    sink = logger.add(lambda message: said.append(str(message)), level="WARNING")
+    try:
+        asyncio.run(run_test(Pipeline([LipsyncVideoService(model="face", endpoint=server.endpoint),
+                                       PlayingOutput(live=True)]),
+                             frames_to_send=[SleepFrame(0.2)], start_timeout=15))
+    finally:
+        logger.remove(sink)
+    assert any("video_out_is_live=False" in line for line in said), said
 
 
 def test_an_interruption_stops_speech_within_the_frames_already_sent(server, backgrounds):

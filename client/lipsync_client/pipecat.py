@@ -4,7 +4,7 @@ agent (extra `pipecat`: `pip install lipsync-serve[pipecat]`), in place of a clo
     from lipsync_client.pipecat import LipsyncVideoService
     avatar = LipsyncVideoService(model="demo", endpoint="tcp://127.0.0.1:5555")
     pipeline = Pipeline([transport.input(), stt, user_agg, llm, tts, avatar, transport.output(), assistant_agg])
-    # transport: video_out_enabled=True, video_out_is_live=True, video_out_width/height = the avatar's
+    # transport: video_out_enabled=True, video_out_is_live=False, video_out_width/height = the avatar's
     # size (avatar.size once started, or `python -m lipsync_client models`), video_out_framerate=25
 
 It opens one live session (docs/protocol.md#live-sessions) when the pipeline starts and closes it at
@@ -15,8 +15,12 @@ utterance that comes after the interruption (the TTS's frames still on their way
 of a TTS context that was cut, and, from a TTS that announces its utterances with `TTSStartedFrame`,
 any audio before its next one. Out, at the session's 25 fps: one `OutputImageRawFrame` (RGB) per frame, idle frames
 included, and with each frame of an utterance that frame's own samples as a `TTSAudioRawFrame` (the
-samples that came in, at their rate), so audio and video leave together and cannot drift; the
-`TTSStoppedFrame` is pushed after the utterance's last frame, so the bot "speaks" while its face does.
+samples that came in, at their rate). Each image goes with `sync_with_audio`: the output transport
+queues it with the audio and shows it once the audio before it has played, so the face stays on the
+voice when the transport's audio falls behind (a loaded host: an output that runs dry plays silence,
+and what follows plays that much later); the transport's video is then not live (`video_out_is_live=False`:
+it shows the latest image at `video_out_framerate`). The `TTSStoppedFrame` is pushed after the
+utterance's last frame, so the bot "speaks" while its face does.
 A server that stops sending frames is a pipeline error (`ErrorFrame`), not a hang.
 """
 
@@ -26,6 +30,7 @@ import asyncio
 from typing import Optional
 
 import numpy as np
+from loguru import logger
 from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
@@ -40,6 +45,7 @@ from pipecat.frames.frames import (
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.ai_service import AIService
 from pipecat.services.settings import ServiceSettings
+from pipecat.transports.base_output import BaseOutputTransport
 
 from lipsync_client.avatar import STALL_S, AvatarGone, AvatarStream
 from lipsync_client.wire import DEFAULT_ENDPOINT
@@ -73,7 +79,19 @@ class LipsyncVideoService(AIService):
 
     async def start(self, frame: StartFrame):
         await super().start(frame)
+        self._check_transport()
         await self._connect(self._rate)
+
+    def _check_transport(self) -> None:
+        """A live video output never shows images queued with the audio: say so, rather than a still face."""
+        processor = self.next
+        while processor is not None:
+            params = getattr(processor, "_params", None)
+            if isinstance(processor, BaseOutputTransport) and getattr(params, "video_out_is_live", False):
+                logger.warning(f"{self}: {processor} has video_out_is_live=True, and shows none of the avatar's "
+                               "frames (each is queued with its audio): set video_out_is_live=False on the "
+                               "transport's TransportParams")
+            processor = processor.next
 
     async def stop(self, frame: EndFrame):
         """The pipeline ends: what was said plays to its end first (at most DRAIN_S)."""
@@ -129,7 +147,9 @@ class LipsyncVideoService(AIService):
                 self._played.set()
                 await self.push_error(error_msg=str(err), exception=err, force_treat_as_permanent=True)
                 return
-            await self.push_frame(OutputImageRawFrame(image=frame.image, size=size, format="RGB"))
+            image = OutputImageRawFrame(image=frame.image, size=size, format="RGB")
+            image.sync_with_audio = True   # shown when the audio pushed before it has played
+            await self.push_frame(image)
             if frame.utterance is None:
                 continue
             await self.push_frame(TTSAudioRawFrame(audio=frame.audio, sample_rate=stream.sample_rate,

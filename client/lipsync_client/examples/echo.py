@@ -138,7 +138,7 @@ def transport_params(size: tuple[int, int], rate: int = RATE) -> TransportParams
     """SmallWebRTCTransport's settings for an avatar of `size` whose voice goes out at `rate`."""
     width, height = size
     return TransportParams(audio_in_enabled=True, audio_in_sample_rate=rate, audio_out_enabled=True,
-                           audio_out_sample_rate=rate, video_out_enabled=True, video_out_is_live=True,
+                           audio_out_sample_rate=rate, video_out_enabled=True, video_out_is_live=False,
                            video_out_width=width, video_out_height=height, video_out_framerate=FPS)
 
 
