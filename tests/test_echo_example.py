@@ -33,12 +33,14 @@ LEAD_S, SPEECH_S, TAIL_S = 3.0, 3.0, 2.0   # the fake microphone's file: silence
 CAPTURE_S = 12.0                        # a whole loop of it (8 s), the quiet before an onset, the echo
 QUIET = -50.0                           # dBFS: below it the microphone (or the page's sound) is quiet
 CHANGED = 24                            # a pixel of the face box that differs by more than this (of 255) changed
+SCALE = 2                               # the page reads each picture at half its size: reading it whole, at 25
+                                        # a second, cost the browser as much CPU as the example itself
 
 # Each new picture of the page's <video>: its luma (as cv2's BGR2GRAY weighs it), and the level of the
 # audio the page hears (the avatar's voice) and of the microphone it sends, at that moment.
 CAPTURE_JS = """
-async (seconds) => {
-  const w = video.videoWidth, h = video.videoHeight;
+async ([seconds, scale]) => {
+  const w = video.videoWidth / scale, h = video.videoHeight / scale;
   const canvas = document.createElement("canvas");
   canvas.width = w; canvas.height = h;
   const ctx = canvas.getContext("2d", { willReadFrequently: true });
@@ -76,7 +78,7 @@ async (seconds) => {
     video.requestVideoFrameCallback(grab);
   });
   await audio.close();
-  return { w, h, frames };
+  return { w: video.videoWidth, h: video.videoHeight, frames };
 }
 """
 
@@ -93,10 +95,12 @@ def server(models, tmp_path_factory):
 
 
 def own_frames(models) -> tuple[list[np.ndarray], list[list[int]]]:
-    """The avatar's own frames (luma) and face boxes: what the page shows in silence."""
+    """The avatar's own frames (luma) and face boxes, at the size the page reads: what it shows in silence."""
     rects = json.loads((models / "face" / "crop_rects.json").read_text())
-    return ([cv2.cvtColor(cv2.imread(str(models / "face" / "frames" / f"{k}.png")), cv2.COLOR_BGR2GRAY)
-             for k in range(N_FRAMES)], [rects[str(k)]["rect"] for k in range(N_FRAMES)])
+    lumas = [cv2.cvtColor(cv2.imread(str(models / "face" / "frames" / f"{k}.png")), cv2.COLOR_BGR2GRAY)
+             for k in range(N_FRAMES)]
+    return ([cv2.resize(luma, (luma.shape[1] // SCALE, luma.shape[0] // SCALE), interpolation=cv2.INTER_AREA)
+             for luma in lumas], [[c // SCALE for c in rects[str(k)]["rect"]] for k in range(N_FRAMES)])
 
 
 def face_change(luma: np.ndarray, own: list[np.ndarray], boxes: list[list[int]]) -> tuple[int, float]:
@@ -168,7 +172,7 @@ def test_the_echo_avatar_says_the_microphones_speech_back_with_its_mouth_moving(
             page.click("#start")
             page.wait_for_function("document.getElementById('video').currentTime > 0.5", timeout=30000)
             first = page.evaluate("document.getElementById('video').currentTime")
-            captured = page.evaluate(CAPTURE_JS, CAPTURE_S)
+            captured = page.evaluate(CAPTURE_JS, [CAPTURE_S, SCALE])
             second = page.evaluate("document.getElementById('video').currentTime")
             state = page.inner_text("#state")
             page.click("#start")   # Stop: the page leaves, and its pipeline and server session end
@@ -185,7 +189,8 @@ def test_the_echo_avatar_says_the_microphones_speech_back_with_its_mouth_moving(
     frames = captured["frames"]
     assert len(frames) > 0.5 * 25 * CAPTURE_S, len(frames)          # new pictures kept coming (25 fps sent)
     own, boxes = own_frames(models)
-    lumas = [np.frombuffer(base64.b64decode(f["luma"]), np.uint8).reshape(240, 320) for f in frames]
+    lumas = [np.frombuffer(base64.b64decode(f["luma"]), np.uint8).reshape(240 // SCALE, 320 // SCALE)
+             for f in frames]
     changed, outside = np.array([face_change(luma, own, boxes) for luma in lumas]).T
     t = np.array([f["t"] for f in frames]) / 1000
     heard, said = np.array([f["heard"] for f in frames]), np.array([f["said"] for f in frames])
