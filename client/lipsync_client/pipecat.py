@@ -18,9 +18,9 @@ included, and with each frame of an utterance that frame's own samples as a `TTS
 samples that came in, at their rate). Each image goes with `sync_with_audio`: the output transport
 queues it with the audio and shows it once the audio before it has played, so the face stays on the
 voice when the transport's audio falls behind (a loaded host: an output that runs dry plays silence,
-and what follows plays that much later); the transport's video is then not live (`video_out_is_live=False`:
-it shows the latest image at `video_out_framerate`). The `TTSStoppedFrame` is pushed after the
-utterance's last frame, so the bot "speaks" while its face does.
+and what follows plays that much later); the transport's video is then not live
+(`video_out_is_live=False`: it shows the latest image at `video_out_framerate`). The `TTSStoppedFrame`
+is pushed after the utterance's last frame, so the bot "speaks" while its face does.
 A server that stops sending frames is a pipeline error (`ErrorFrame`), not a hang.
 """
 
