@@ -75,8 +75,9 @@ def main() -> int:
                         help="sessions and gpu benches: sessions.shed_speech off (every session misses alike past "
                              "capacity)")
     parser.add_argument("--profile", metavar="DIR", type=Path,
-                        help="sessions bench: a py-spy recording of the frontend per level into DIR, summed up "
-                             "per function per frame sent (needs py-spy installed beside the bench's python)")
+                        help="sessions and gpu benches: a py-spy recording of the frontend per live level into "
+                             "DIR, summed up per function per frame sent (needs py-spy installed beside the bench's "
+                             "python)")
     parser.add_argument("--profile-native", action="store_true",
                         help="--profile with C frames too (py-spy then pauses the frontend for each sample)")
     gpu = parser.add_argument_group("gpu bench (each default: large on a GPU, small on the CPU provider)")
@@ -132,7 +133,7 @@ def main() -> int:
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
                                        live_s=args.live_s, budget_s=args.budget_s,
                                        avatar_levels=args.avatar_levels, speaking_share=args.speaking_share,
-                                       shed=not args.no_shed, sections=args.sections)
+                                       shed=not args.no_shed, sections=args.sections, profile=args.profile)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)

@@ -79,6 +79,7 @@ class GpuBenchOptions:
     shed: bool = True                       # sessions.shed_speech
     budget_s: Optional[float] = None        # the whole run; None: no limit
     sections: tuple[str, ...] = ()          # only these (SECTIONS; served_<variant>); (): every one
+    profile: Optional[Path] = None          # a py-spy recording of the frontend per live level, under it
 
 
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,
@@ -87,7 +88,8 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             stand_in: Optional[float] = None, budget_ms: int = 280, variants: Optional[tuple[str, ...]] = None,
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
             budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None,
-            speaking_share: float = 0.27, shed: bool = True, sections: tuple[str, ...] = ()) -> GpuBenchOptions:
+            speaking_share: float = 0.27, shed: bool = True, sections: tuple[str, ...] = (),
+            profile: Optional[Path] = None) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -112,7 +114,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
                            avatar_levels=pick(avatar_levels, (48, 150), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
-                           speaking_share=speaking_share, shed=shed, sections=tuple(sections))
+                           speaking_share=speaking_share, shed=shed, sections=tuple(sections), profile=profile)
 
 
 def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
@@ -526,15 +528,20 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
     def levels_s(levels: tuple[int, ...]) -> float:
         return _pays(main, costs) + sum(o.live_s + LEVEL_S + n * 0.02 for n in levels)
 
+    def recorded(section: str) -> Optional[Path]:
+        return o.profile / section if o.profile is not None else None
+
     if o.levels:
         r.section("live", f"live sessions on the {o.model} model (1280x720 JPEG q75, {share} speaking, audio windows, "
                   f"{o.live_s:g} s per level): missed, on time, latency p99, each process's CPU:",
-                  levels_s(o.levels), lambda: live(main.get(), o.levels, o.live_s, port, duty=o.speaking_share))
+                  levels_s(o.levels), lambda: live(main.get(), o.levels, o.live_s, port, duty=o.speaking_share,
+                                                   profile=recorded("live")))
     if o.pcm_levels:
         r.section("live_pcm", f"live sessions speaking 16 kHz PCM on the {o.model} model (20-ms chunks in real time, "
                   f"the avatar's audio encoder in the inference process; 1280x720 JPEG q75, {share} speaking, "
                   f"{o.live_s:g} s per level):", levels_s(o.pcm_levels),
-                  lambda: live(main.get(), o.pcm_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share))
+                  lambda: live(main.get(), o.pcm_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share,
+                               profile=recorded("live_pcm")))
     if o.avatar_levels:
         most = max(o.avatar_levels)
         r.section("live_avatars", f"live sessions speaking 16 kHz PCM, each on an avatar of its own ({o.model}, one "
@@ -542,7 +549,7 @@ def _live_sections(r: SectionRunner, main: LazyServer, o: GpuBenchOptions, port:
                   levels_s(o.avatar_levels) + COLD_S + GROUPED_WAIT_S + LEVEL_S + most * (costs.write_s + costs.load_s),
                   lambda: live(main.get(), o.avatar_levels, o.live_s, port, speech(PCM_SECONDS), duty=o.speaking_share,
                                models=tuple(avatar(models, f"v{k:03d}", demo, _written(o.model, 500 + k), encoder=True)
-                                            for k in range(most))))
+                                            for k in range(most)), profile=recorded("live_avatars")))
 
 
 def _model_sections(r: SectionRunner, root: Path, models: Path, demo: Path, main: LazyServer, o: GpuBenchOptions,

@@ -198,12 +198,13 @@ GROUPED_WAIT_S = 60.0   # live(): at most this long for the N-model form, with s
 
 
 def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
-         pcm: Optional[np.ndarray] = None, models: tuple[str, ...] = ("avatar",), duty: float = 0.27) -> list[dict]:
+         pcm: Optional[np.ndarray] = None, models: tuple[str, ...] = ("avatar",), duty: float = 0.27,
+         profile: Optional[Path] = None) -> list[dict]:
     """bench/sessions.py's speaking levels, session i on models[i % len(models)]: audio windows, one per
     frame period, or with `pcm` (16 kHz int16) that utterance from its start in 20-ms chunks in real time,
     once per burst; each session speaking `duty` of the time. Several avatars: first a session on each
     speaks all the time for COLD_S, printed (their backgrounds' first decode, cold), so the levels measure
-    avatars in use."""
+    avatars in use. `profile`: a directory for a py-spy recording of the frontend per level (bench/pyspy.py)."""
     from bench.sessions import _print, _run_level
     with srv.client(timeout_s=600) as c:   # their loads (and a GPU's warm-up of every shape) are not a level's
         for model in models:
@@ -223,7 +224,8 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
         print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call", flush=True)
     for n in levels:
         before = _calls(srv)
-        r = _run_level(srv, n, seconds, duty, pcm, fmt="jpeg", metrics_port=metrics_port, models=models)
+        r = _run_level(srv, n, seconds, duty, pcm, fmt="jpeg", metrics_port=metrics_port, models=models,
+                       profile=profile)
         _print(r)
         r["device_calls"] = calls = _calls_between(before, _calls(srv))
         print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call, "

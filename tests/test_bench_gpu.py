@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench import pyspy
 from bench.gpu import Budget, SectionRunner, Signals
 from tests.helpers import ROOT
 
@@ -85,7 +86,7 @@ def _left_behind(pids: set) -> tuple[list, list]:
 
 @pytest.mark.slow
 def test_the_gpu_bench_runs_every_section_on_the_cpu_and_writes_its_json_after_each(tmp_path):
-    proc = _bench(tmp_path)
+    proc = _bench(tmp_path, "--profile", str(tmp_path / "profile"))
     seen, pids = _watch(proc, tmp_path / "gpu.json")
     output = (tmp_path / "out.txt").read_text()
     assert proc.wait() == 0, output[-6000:]
@@ -124,6 +125,14 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu_and_writes_its_json_after_e
     assert figures["first_frame"][0]["first_frame_ms"] > 0
     assert sorted(figures["alternating"]) == ["1", "2", "4"]
     assert figures["residency"]["loaded"] == 2
+    # --profile: the frontend recorded over each live level, a directory per section, where py-spy is
+    # installed; else each level says why it has none
+    if pyspy.find() is None:
+        assert output.count("py-spy is not installed here") == 3, output[-6000:]
+    else:
+        for section in ("live", "live_pcm", "live_avatars"):
+            assert list((tmp_path / "profile" / section).glob("frontend-*.txt")), section
+            assert figures[section][-1]["profile"]["samples"] > 0, figures[section][-1].get("profile")
 
 
 @pytest.mark.slow
