@@ -78,10 +78,10 @@ class AvatarStream:
         self.retired = 0                      # every utterance up to this id was interrupted
         self._id: Optional[int] = None        # the utterance being said
         self._sent = False                    # ... whether any of it went to the server
-        self._head: Optional[bytearray] = None   # ... its first samples, until the look-ahead is in hand
-        self._head_needed = -(-LOOKAHEAD_SAMPLES * sample_rate // SAMPLE_RATE)
-        self._held = bytearray()              # ... samples after the head, fewer than a chunk's (`_chunk`)
-        self._chunk = sample_rate // 25       # the least a chunk sends: one video frame's audio (40 ms)
+        self._held = bytearray()              # ... its samples not sent yet: fewer than `_need`
+        self._lookahead = -(-LOOKAHEAD_SAMPLES * sample_rate // SAMPLE_RATE)   # the first chunk's samples
+        self._chunk = sample_rate // 25       # the least a later chunk sends: one video frame's audio (40 ms)
+        self._need = self._lookahead          # ... the least its next chunk sends
         self.playing: set[int] = set()        # said, and not yet played to its last frame
         # NOTE: chunks go out without waiting for each reply (their order is the socket's), so that the
         # TTS's pace is not the server's round trip; what a reply says is raised at the next say or end
@@ -127,7 +127,7 @@ class AvatarStream:
     def begin(self) -> int:
         """A new utterance; the one being said, if any, is left for `end` (its chunks are refused now)."""
         self._last_id += 1
-        self._id, self._sent, self._head, self._held = self._last_id, False, bytearray(), bytearray()
+        self._id, self._sent, self._held, self._need = self._last_id, False, bytearray(), self._lookahead
         return self._id
 
     async def say(self, pcm: np.ndarray, utterance: Optional[int] = None) -> bool:
@@ -140,16 +140,12 @@ class AvatarStream:
         pcm = np.ascontiguousarray(pcm, "<i2")
         if not len(pcm):
             return True
-        if self._head is not None:
-            self._head += pcm.tobytes()
-            if len(self._head) // 2 < self._head_needed:
-                return True
-            pcm, self._head = np.frombuffer(bytes(self._head), "<i2"), None
-        elif self._held or len(pcm) < self._chunk:
+        if self._held or len(pcm) < self._need:
             self._held += pcm.tobytes()
-            if len(self._held) // 2 < self._chunk:
+            if len(self._held) // 2 < self._need:
                 return True
             pcm, self._held = np.frombuffer(bytes(self._held), "<i2"), bytearray()
+        self._need = self._chunk
         await self._send(utterance, pcm, last=False)
         return True
 
@@ -159,10 +155,10 @@ class AvatarStream:
         if self._id is None or utterance not in (None, self._id):
             return None
         utterance, sent = self._id, self._sent
-        head = np.frombuffer(bytes(self._head if self._head is not None else self._held), "<i2")
+        head = np.frombuffer(bytes(self._held), "<i2")
         # NOTE: the state changes before the await: what comes meanwhile (more audio, an interrupt) sees
         # the utterance ended
-        self._id, self._head, self._held = None, None, bytearray()
+        self._id, self._held = None, bytearray()
         if not sent and not len(head):
             return None
         await self._send(utterance, head, last=True)
@@ -174,7 +170,7 @@ class AvatarStream:
         not played is dropped, and so is whatever of them is said later; idle frames follow."""
         # NOTE: retired here before the request goes: a frame read meanwhile already counts as cut
         self.retired = self._last_id
-        self._id, self._head, self._held = None, None, bytearray()
+        self._id, self._held = None, bytearray()
         self.playing.clear()
         for task in self._in_flight:   # what their replies say no longer matters: they are retired
             task.cancel()
