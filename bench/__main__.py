@@ -75,9 +75,9 @@ def main() -> int:
                         help="sessions and gpu benches: sessions.shed_speech off (every session misses alike past "
                              "capacity)")
     parser.add_argument("--profile", metavar="DIR", type=Path,
-                        help="sessions and gpu benches: a py-spy recording of the frontend per live level into "
-                             "DIR, summed up per function per frame sent (needs py-spy installed beside the bench's "
-                             "python)")
+                        help="sessions and gpu benches: py-spy recordings of the frontend and the first inference "
+                             "process per live level into DIR, summed up per function per frame sent (the inference "
+                             "process: per speech frame; needs py-spy installed beside the bench's python)")
     parser.add_argument("--profile-native", action="store_true",
                         help="--profile with C frames too (py-spy then pauses the frontend for each sample)")
     gpu = parser.add_argument_group("gpu bench (each default: large on a GPU, small on the CPU provider)")

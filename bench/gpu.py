@@ -79,7 +79,7 @@ class GpuBenchOptions:
     shed: bool = True                       # sessions.shed_speech
     budget_s: Optional[float] = None        # the whole run; None: no limit
     sections: tuple[str, ...] = ()          # only these (SECTIONS; served_<variant>); (): every one
-    profile: Optional[Path] = None          # a py-spy recording of the frontend per live level, under it
+    profile: Optional[Path] = None          # py-spy recordings of the frontend and inference per live level
 
 
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,

@@ -8,10 +8,11 @@
 # The bench gets what the tests leave of TOTAL_S (--budget-s): it skips the sections that would not fit and
 # names them, and writes its JSON after every section. If it runs on past its budget, `timeout` sends it
 # SIGINT (it stops its server and keeps the JSON) and SIGKILL only 15 s later. BENCH_ARGS adds to or overrides
-# its options; TESTS_S caps the tests. Where the frontend's time goes at a live level: BENCH_ARGS="--profile
-# $OUT/profile ..." with py-spy installed beside the bench's python (not in the bundle: carry its manylinux
-# wheel, `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 py-spy`, and
-# install it before this script); without it each level says there is no profile, and runs.
+# its options; TESTS_S caps the tests. Where the frontend's and the inference process's time goes at a live
+# level: BENCH_ARGS="--profile $OUT/profile ..." with py-spy installed beside the bench's python (not in the
+# bundle: carry its manylinux wheel, `pip download --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 py-spy`, and install it before this script); without it each level says there is no
+# profile, and runs.
 #
 # The arithmetic on an H100 (docs/benchmarks.md: a first call per (session, batch size) F = 3.1-5.7 s, cuDNN
 # EXHAUSTIVE; steady unet_328 calls 2.47 ms at 1 frame, 16.2 ms at 16, 58.2 ms at 64), with the bench's own

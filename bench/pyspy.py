@@ -1,7 +1,12 @@
-"""Where the frontend's CPU goes per frame sent: a py-spy recording of the frontend process during a
-bench level (with `native`, C
-frames too), split by function (self: samples with the function on top; total: samples with it
-anywhere on the stack) and scaled to microseconds per frame sent by the busiest thread's measured CPU.
+"""Where a process's CPU goes per frame: a py-spy recording of a server process during a bench level
+(the frontend per frame sent, the inference process per speech frame; with `native`, C frames too),
+split by function (self: samples with the function on top; total: samples with it anywhere on the
+stack) and scaled to microseconds per frame by the busiest thread's measured CPU.
+
+py-spy counts a thread that is ready to run but waiting for a core as busy where it waits: on a host
+with more busy threads than cores (this bench's 2-core runs), a call that wakes another process (a
+ZeroMQ send) takes the blame for the wait that follows it. Read the shares beside the process's
+"waited for a core".
 
 py-spy is a measuring tool, not a dependency: `pip install py-spy` into the environment that runs the
 bench; without it, `--profile` says so and the bench runs without it. It samples without stopping the
@@ -103,11 +108,12 @@ def summarize(path: Path, frames: int, thread_us_per_frame: float, top: int = 15
 
 
 def print_summary(s: dict, indent: str = "        ") -> None:
-    if not s:
-        print(f"{indent}profile: no samples", flush=True)
+    process, per = s.get("process", "frontend"), s.get("per", "frame sent")
+    if not s.get("samples"):
+        print(f"{indent}{process} profile: no samples (the process was idle)", flush=True)
         return
-    print(f"{indent}frontend profile ({s['samples']} samples of its busiest thread, {s['thread_us_per_frame']:.0f} us "
-          "of its CPU per frame sent), us per frame:", flush=True)
+    print(f"{indent}{process} profile ({s['samples']} samples of its busiest thread, {s['thread_us_per_frame']:.0f} us "
+          f"of its CPU per {per}), us per {per}:", flush=True)
     for kind in ("self", "total"):
         print(f"{indent}  {kind}: " + "; ".join(f"{r['function']} {r['us_per_frame']:.1f} ({r['percent']:.0f}%)"
                                               for r in s[kind][:12]), flush=True)

@@ -34,6 +34,8 @@ from tests.helpers import base_config, free_port, run_server
 
 FPS = 25.0
 MAX_IN_FLIGHT = 16   # a session's audio chunks sent and not yet answered
+# --profile: the processes recorded, each its role and its figure's key
+PROFILED = {"frontend0": ("frontend", "profile"), "gpu0": ("inference", "profile_inference")}
 
 
 def _models(demo_dir: Path, root: Path) -> Path:
@@ -161,7 +163,7 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     procs = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
     pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
     cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
-    recording = _record(procs["frontend0"], n, duty, fmt, profile, native)
+    recordings = _record(procs, n, duty, fmt, profile, native)
     cpu.start()
     depth.start()
     try:
@@ -171,7 +173,7 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     finally:
         cpu.stop()
         depth.stop()
-        failed = recording.stop() if recording is not None else ""
+        failed = {name: recording.stop() for name, recording in recordings.items()}
     used = cpu.result()
     frames = sum(s["frames_speech"] + s["frames_idle"] for s in stats)
     late = sum(s["late"] for s in stats)
@@ -198,23 +200,31 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     kept_missed, kept_speech = sum(s["missed"] for s in kept), sum(s["frames_speech"] for s in kept)
     result.update(shed=sum(s.get("shed", 0) for s in stats), sessions_shed=len(stats) - len(kept),
                   kept_missed=kept_missed, kept_missed_share=kept_missed / max(kept_missed + kept_speech, 1))
-    if recording is not None:
-        result["profile"] = ({"error": failed} if failed else
-                             pyspy.summarize(recording.out, frames, result["frontend_loop_us_per_frame"]))
+    # the frontend's CPU per frame sent; the inference process's per speech frame (all it runs)
+    per_frame = {"frontend0": (result["frontend_loop_us_per_frame"], frames, "frame sent"),
+                 "gpu0": (1e4 * used.get("gpu0", {}).get("thread_cpu", 0.0) * wall / max(result["speech"], 1),
+                          result["speech"], "speech frame")}
+    for name, recording in recordings.items():
+        (us, count, per), (role, key) = per_frame[name], PROFILED[name]
+        result[key] = ({"error": failed[name]} if failed[name] else
+                       {"samples": 0, **pyspy.summarize(recording.out, count, us), "process": role, "per": per})
     return result
 
 
-def _record(pid: int, n: int, duty: float, fmt: str, profile: Optional[Path], native: bool = False):
-    """A py-spy recording of the frontend over the level (--profile), or None."""
+def _record(procs: dict[str, int], n: int, duty: float, fmt: str, profile: Optional[Path],
+            native: bool = False) -> dict:
+    """py-spy recordings over the level (--profile) of the frontend and of the first inference process,
+    by process name; none without --profile or py-spy."""
     if profile is None:
-        return None
+        return {}
     exe = pyspy.find()
     if exe is None:
         print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
-        return None
+        return {}
     profile.mkdir(parents=True, exist_ok=True)
-    out = profile / f"frontend-{fmt}-{n}-{'speaking' if duty else 'silent'}.txt"
-    return pyspy.Recording(exe, pid, out, native=native)
+    level = f"{fmt}-{n}-{'speaking' if duty else 'silent'}"
+    return {name: pyspy.Recording(exe, procs[name], profile / f"{role}-{level}.txt", native=native)
+            for name, (role, _) in PROFILED.items() if name in procs}
 
 
 def _first_saturated(used: dict) -> dict:
@@ -384,11 +394,12 @@ def _print(r: dict) -> None:
             f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for name, v in r["stages_ms"].items())
               + (f"; missed while in: {r['missed_in']}" if r.get("missed_in") else ""), flush=True)
     _print_queues(r.get("queues") or {})
-    if r.get("profile"):
-        if "error" in r["profile"]:
-            print(f"        profile failed: {r['profile']['error']}", flush=True)
-        else:
-            pyspy.print_summary(r["profile"])
+    for key in ("profile", "profile_inference"):
+        if r.get(key):
+            if "error" in r[key]:
+                print(f"        profile failed: {r[key]['error']}", flush=True)
+            else:
+                pyspy.print_summary(r[key])
 
 
 def _print_processes(r: dict) -> None:

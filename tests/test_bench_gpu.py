@@ -125,14 +125,18 @@ def test_the_gpu_bench_runs_every_section_on_the_cpu_and_writes_its_json_after_e
     assert figures["first_frame"][0]["first_frame_ms"] > 0
     assert sorted(figures["alternating"]) == ["1", "2", "4"]
     assert figures["residency"]["loaded"] == 2
-    # --profile: the frontend recorded over each live level, a directory per section, where py-spy is
-    # installed; else each level says why it has none
+    # --profile: the frontend and the inference process recorded over each live level, a directory per
+    # section, where py-spy is installed; else each level says why it has none
     if pyspy.find() is None:
         assert output.count("py-spy is not installed here") == 3, output[-6000:]
     else:
         for section in ("live", "live_pcm", "live_avatars"):
-            assert list((tmp_path / "profile" / section).glob("frontend-*.txt")), section
+            for process in ("frontend", "inference"):
+                assert list((tmp_path / "profile" / section).glob(f"{process}-*.txt")), (section, process)
+            # (a level of one session may leave the inference process idle throughout: no samples, said so)
             assert figures[section][-1]["profile"]["samples"] > 0, figures[section][-1].get("profile")
+            assert figures[section][-1]["profile_inference"]["process"] == "inference", figures[section][-1]
+        assert output.count("inference profile") == 3, output[-6000:]
 
 
 @pytest.mark.slow
