@@ -4,13 +4,15 @@ of its own on the device, writing into the model's input buffer (gpu_actor/prepa
 float visual input uses the same prepared model sessions, and it stays float32 whatever the precision.
 
     crops  [B, 328, 328, 3] uint8   BGR, the frame's 328x328 face crop (config/geometry.crop_328)
-      -> Slice [4:324, 4:324] -> Cast float -> Div 255 -> Transpose to CHW       R   [B, 3, 320, 320]
+      -> Slice [4:324, 4:324] -> Transpose to CHW -> Cast float -> Div 255       R   [B, 3, 320, 320]
       -> R * mask (0 in rows 5:310, columns 5:315, else 1)                      M   [B, 3, 320, 320]
       -> Concat(R, M)                                                   visual  [B, 6, 320, 320] float32
 
 A crop is 0.32 MB where the float input is 2.46 MB: on a GPU the crops are what crosses the bus. The
 mask is built in the graph (a zero block padded with ones), not stored, and onnxruntime folds it into a
-constant when the session is made. Needs opset 11 or later (Pad and Slice take tensors, not attributes).
+constant when the session is made. The transpose moves the uint8 crop, a quarter of the float's bytes
+(on the CPU provider, 1.58 -> 1.38 ms a frame at 16 frames a call). Needs opset 11 or later (Pad and
+Slice take tensors, not attributes).
 """
 
 from __future__ import annotations
@@ -52,10 +54,9 @@ def _nodes(crops: str, visual: str) -> tuple[list[onnx.NodeProto], list[onnx.Ten
     nodes = [
         helper.make_node("Slice", [crops, name("starts"), name("ends"), name("axes")], [name("inner")],
                          name=name("slice")),
-        helper.make_node("Cast", [name("inner")], [name("inner_f")], to=TensorProto.FLOAT, name=name("cast")),
-        helper.make_node("Div", [name("inner_f"), name("255")], [name("scaled")], name=name("div")),
-        helper.make_node("Transpose", [name("scaled")], [name("reference")], perm=[0, 3, 1, 2],
-                         name=name("transpose")),
+        helper.make_node("Transpose", [name("inner")], [name("planes")], perm=[0, 3, 1, 2], name=name("transpose")),
+        helper.make_node("Cast", [name("planes")], [name("planes_f")], to=TensorProto.FLOAT, name=name("cast")),
+        helper.make_node("Div", [name("planes_f"), name("255")], [name("reference")], name=name("div")),
         helper.make_node("ConstantOfShape", [name("mask_shape")], [name("hole")], value=zero, name=name("hole")),
         helper.make_node("Pad", [name("hole"), name("mask_pads"), name("one")], [name("mask")], mode="constant",
                          name=name("pad")),
