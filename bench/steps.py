@@ -9,7 +9,9 @@ that the host's own work stays small beside the device's. Per level and `inferen
 (sub_calls: a call per avatar in a step; grouped / auto: the architecture's N-model form, gpu_actor/
 mixed.py), each round prints the speech frames missed and late, the device calls and the frames they
 held, and the steps by kind. The levels past what this host's CPU serves with no device cost at all
-(`--cost-ms 0,0`) measure the host, not the steps.
+(`--cost-ms 0,0`) measure the host, not the steps: each round prints each process's CPU (the machine's
+against its cores) and the inference process's CPU per frame it ran, the stand-in's own computing of
+what a card would.
 """
 
 from __future__ import annotations
@@ -54,22 +56,36 @@ def _architecture(srv) -> dict:
 
 
 def _round(srv, models: list[str], speech_s: float) -> dict:
+    import os
+
+    from bench.procstat import CpuSampler
     before = _architecture(srv)
+    pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+    cpu = CpuSampler({**pids, "bench client": os.getpid()})
 
     async def together() -> list:
         return await asyncio.gather(*(say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
-    sessions = asyncio.run(together())
+    cpu.start()
+    try:
+        sessions = asyncio.run(together())
+    finally:
+        cpu.stop()
     after = _architecture(srv)
     rows = {int(k): v - before.get("frames_per_call_histogram", {}).get(k, 0)
             for k, v in after.get("frames_per_call_histogram", {}).items()}
-    calls = sum(rows.values())
+    calls, held = sum(rows.values()), sum(k * v for k, v in rows.items())
     steps = {k: v - before.get("steps", {}).get(k, 0) for k, v in after.get("steps", {}).items()}
     frames = sum(n for _, n in sessions)
     missed = sum(s["missed"] for s, _ in sessions)
+    used = cpu.result()
+    wall_s = cpu.samples[-1][0] - cpu.samples[0][0]
     return {"frames": frames, "missed": missed, "missed_share": missed / max(frames, 1),
             "late": sum(s["late"] for s, _ in sessions), "calls": calls,
-            "frames_per_call": sum(k * v for k, v in rows.items()) / calls if calls else 0.0,
-            "steps": {k: v for k, v in steps.items() if v}}
+            "frames_per_call": held / calls if calls else 0.0,
+            "steps": {k: v for k, v in steps.items() if v},
+            # where the host's two cores went: the stand-in computes on the CPU what a card would
+            "cpu_percent": {k: round(v["cpu"]) for k, v in used.items()},
+            "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1)}
 
 
 def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s: float, rounds: int,
@@ -117,6 +133,8 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"{figures['frames']} ({100 * figures['missed_share']:.1f}%), late {figures['late']}; "
                               f"{figures['calls']} device calls, {figures['frames_per_call']:.2f} frames a call; "
                               f"steps {figures['steps']}", flush=True)
+                        print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
+                              f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out

@@ -24,3 +24,6 @@ def test_the_steps_bench_counts_the_speech_and_the_device_calls_of_its_round(tmp
     assert figures["calls"] >= 2 and 1.0 <= figures["frames_per_call"] <= 16, figures
     assert figures["steps"] and set(figures["steps"]) <= {"one_model", "sub_calls"}, figures
     assert "2 sessions, sub_calls round 1: missed" in run.stdout, run.stdout
+    # where the host's CPU went: each server process and the bench's client, and the worker per frame
+    assert {"frontend0", "gpu0", "cpu0", "bench client", "machine"} <= set(figures["cpu_percent"]), figures
+    assert figures["cpu_percent"]["gpu0"] > 0 and figures["inference_ms_per_frame"] > 0, figures
