@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from lipsync_client.requests import AsyncClient, Client
     from lipsync_client.sessions import AsyncSession, Frame, Session
-    from lipsync_client.wire import DEFAULT_ENDPOINT, ClientTimeout, ServerError, curve_keys
+    from lipsync_client.wire import DEFAULT_ENDPOINT, ClientClosed, ClientTimeout, ServerError, curve_keys
 
 _HOMES = {"AsyncClient": "lipsync_client.requests", "Client": "lipsync_client.requests",
           "AsyncSession": "lipsync_client.sessions", "Frame": "lipsync_client.sessions",
           "Session": "lipsync_client.sessions", "DEFAULT_ENDPOINT": "lipsync_client.wire",
-          "ClientTimeout": "lipsync_client.wire", "ServerError": "lipsync_client.wire",
+          "ClientClosed": "lipsync_client.wire", "ClientTimeout": "lipsync_client.wire",
+          "ServerError": "lipsync_client.wire",
           "curve_keys": "lipsync_client.wire"}
 __all__ = sorted(_HOMES)
 

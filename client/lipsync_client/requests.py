@@ -100,6 +100,7 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: Optional[asyncio.Task] = None
+        self._closed = False
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -108,9 +109,12 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the socket; requests still waiting for a reply raise ClientClosed."""
+        self._closed = True
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(linger=0)
+        wire.fail_waiting(self._waiting, "the client")
 
     async def _read(self) -> None:
         while True:
@@ -121,6 +125,8 @@ class AsyncClient:
                 future.set_result(frames[1:])
 
     async def request(self, op: str, payload: Sequence = (), timeout_s: Optional[float] = None, **fields) -> Answer:
+        if self._closed:
+            raise wire.ClientClosed(f"the client is closed: {op} not sent")
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         rid = next(self._ids)

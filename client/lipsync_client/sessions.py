@@ -152,6 +152,7 @@ class AsyncSession:
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(linger=0)
+        wire.fail_waiting(self._waiting, "the session")   # (chunks pushed and not yet answered)
 
     async def _read(self) -> None:
         while True:

@@ -31,6 +31,18 @@ class ClientTimeout(TimeoutError):
     """No reply within the client's own timeout (the server may be down or restarting)."""
 
 
+class ClientClosed(ConnectionError):
+    """The client or session was closed with the request still waiting for its reply (or before it)."""
+
+
+def fail_waiting(waiting: dict, what: str) -> None:
+    """On close: every request still waiting for its reply ends now with ClientClosed, not at its timeout."""
+    for future in waiting.values():
+        if not future.done():
+            future.set_exception(ClientClosed(f"{what} was closed before the reply came"))
+    waiting.clear()
+
+
 def tensor_payload(visual: Optional[np.ndarray], audio: np.ndarray) -> list:
     frames = [] if visual is None else [np.ascontiguousarray(visual, dtype="<f4")]
     return frames + [np.ascontiguousarray(audio, dtype="<f4")]
