@@ -16,11 +16,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
-from lipsync_client import AsyncClient, ServerError
+from lipsync_client import AsyncClient, ClientClosed, ServerError
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
 REQUESTS = 8    # 1 frame each, on two avatars of one architecture
+LONG_CALL_MS = 1000   # a call during which requests reach the worker and a client goes, with time to spare
 
 
 @pytest.mark.parametrize("mixed, kind", [("sub_calls", "sub_calls"), ("auto", "grouped")])
@@ -110,6 +111,68 @@ def test_a_request_that_would_end_past_its_deadline_is_not_run_and_the_one_behin
     assert "would end past its deadline" in doomed.message, doomed.message
     assert not isinstance(served, BaseException), served
     assert architecture["frames_per_call_histogram"] == {"1": 4}, architecture   # (the doomed one never ran)
+
+
+def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_models_queued_frames(tmp_path):
+    """While a call runs (the stand-in's LONG_CALL_MS, as a busy card's), two clients' requests queue at the
+    worker for its next step: one client goes (its requests end; their inputs are freed while they wait),
+    and the other's model is asked to unload. The next step runs without the gone client's frames, the
+    unload is refused while that model's frames wait, and the other client's mouths are its own model's.
+    No output slot is left taken: a request needing every one of them is served after."""
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b")):
+        make_avatar(root, model, kind="tiny", seed=seed)
+    # shm.slots 1: the rings hold max_batch (8) frames in all, so a slot kept by a gone request would
+    # leave the last request, of 8 frames, waiting until its deadline
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "limits.queue_depth": 16, "shm.slots": 1})
+    rng = np.random.default_rng(11)
+
+    def frames(n: int) -> tuple[np.ndarray, np.ndarray]:
+        return rng.random((n, 6, 320, 320), np.float32), rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
+    first, stays, gone, full = frames(1), [frames(1) for _ in range(3)], [frames(1) for _ in range(3)], frames(REQUESTS)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{LONG_CALL_MS},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for model in ("a", "b"):
+                c.load(model)
+
+        async def scenario() -> tuple:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as one, AsyncClient(srv.endpoint, timeout_s=120) as two:
+                leaving = AsyncClient(srv.endpoint, timeout_s=120)
+                await leaving.__aenter__()
+                running = asyncio.ensure_future(one.infer("a", *first))
+                await asyncio.sleep(LONG_CALL_MS / 4000)   # its call has begun (a hop takes milliseconds)
+                queued = [asyncio.ensure_future(two.infer("b", *f)) for f in stays]
+                dropped = [asyncio.ensure_future(leaving.infer("a", *f)) for f in gone]
+                await asyncio.sleep(LONG_CALL_MS / 8000)   # all at the worker, behind the call
+                await leaving.close()                 # the client goes: its requests end
+                unloaded = await asyncio.gather(two.request("unload", model="b"), return_exceptions=True)
+                answers = await asyncio.gather(running, *queued)
+                ended = await asyncio.gather(*dropped, return_exceptions=True)
+                after = await two.infer("a", *full)   # every output slot free again
+                return answers, unloaded[0], ended, after
+
+        answers, unloaded, ended, after = asyncio.run(scenario())
+        with srv.client() as c:
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    runners = {m: OwnSessionRunner(root / m / "model.onnx") for m in ("a", "b")}
+
+    def own(model: str, visual: np.ndarray, audio: np.ndarray) -> np.ndarray:
+        out = np.empty((len(visual), 3, 320, 320), np.float32)
+        for i in range(len(visual)):
+            runners[model].run(visual[i:i + 1], audio[i:i + 1], out[i:i + 1])
+        return out
+
+    for (model, (visual, audio)), (_, mouths) in zip([("a", first), *(("b", f) for f in stays)], answers):
+        got = np.frombuffer(mouths[0], "<f4").reshape(1, 3, 320, 320)
+        assert np.abs(got - own(model, visual, audio)).max() <= 1e-5, model
+    assert all(isinstance(e, ClientClosed) for e in ended), ended   # (at the close, not at their timeout)
+    assert isinstance(unloaded, ServerError) and unloaded.code == "overloaded", unloaded
+    assert "queued or running" in unloaded.message, unloaded.message
+    got = np.stack([np.frombuffer(m, "<f4").reshape(3, 320, 320) for m in after[1]])
+    assert np.abs(got - own("a", *full)).max() <= 1e-5
+    # the gone client's frames never ran: the calls held the first, the other client's three, the last 8
+    histogram = {int(rows): n for rows, n in architecture["frames_per_call_histogram"].items()}
+    assert sum(rows * n for rows, n in histogram.items()) == 1 + len(stays) + REQUESTS, histogram
 
 
 def _device_frames_per_s(port: int) -> tuple[float, ...]:
