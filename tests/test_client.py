@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-
 from lipsync_client import AsyncClient, ClientClosed
 from tests.helpers import free_port
 
