@@ -36,12 +36,14 @@ class Backgrounds:
         self._lock = threading.Lock()
         self._known: set[tuple[str, int]] = set()     # (store id, frame) seen in the store (main thread)
         self._decoding: set[tuple[str, int]] = set()  # submitted, not done (both sides, under the lock)
+        self._failed: set[tuple[str, int]] = set()    # failed to decode, not yet reported (under the lock)
         self.decoded = 0                              # frames these threads decoded (stats, tests)
 
     def ready(self, assets: AvatarAssets, frames: Iterable[int]) -> bool:
         """(The main thread) whether every one of `frames` is in the store; each missing one starts
-        decoding, once. A frame that fails to decode counts as ready: the task's own fetch then fails
-        with the error (AssetError, StoreError) and the task is answered with it."""
+        decoding, once. A frame that failed to decode counts as ready, once: the task's own fetch then
+        meets the error (AssetError, StoreError) and the task is answered with it; a later task's
+        decodes it again (a file fixed on disk since, or a passing error, then serves)."""
         sid = assets.store_id
         missing = [f for f in dict.fromkeys(frames) if (sid, f) not in self._known]
         if not missing:
@@ -55,6 +57,9 @@ class Backgrounds:
                 if key in self._decoding:
                     ready = False
                     continue
+                if key in self._failed:
+                    self._failed.discard(key)
+                    continue
             if self._probe.has(sid, frame):
                 self._known.add(key)
                 continue
@@ -65,15 +70,19 @@ class Backgrounds:
         return ready
 
     def _decode(self, assets: AvatarAssets, frame: int) -> None:
+        failed = False
         try:
             _, _, hit = self._store.fetch(assets.store_id, frame, lambda: assets.decode(frame), want_background=False)
             if not hit:
                 self.decoded += 1
         except Exception as err:   # the task's own fetch meets it again, and answers with it
+            failed = True
             log.info("background frame %d of %s: %s", frame, assets.model_id, err)
         finally:
             with self._lock:
                 self._decoding.discard((assets.store_id, frame))
+                if failed:   # NOTE: else the task asks again, and it is decoded again, until its deadline
+                    self._failed.add((assets.store_id, frame))
             self._wake()
 
     def close(self) -> None:

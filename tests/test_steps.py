@@ -175,6 +175,47 @@ def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_model
     assert sum(rows * n for rows, n in histogram.items()) == 1 + len(stays) + REQUESTS, histogram
 
 
+def test_a_request_on_a_background_frame_that_does_not_decode_fails_alone_and_at_once(tmp_path):
+    """An avatar's frame file is broken. While a call runs, requests on it queue with others of two
+    avatars: the one that needs the broken frame is answered bad_request, naming the file, long before its
+    deadline (its frame is read off the main thread, fails, and the task's own read then meets the
+    error); the others are served, and no call ever held its frame."""
+    root = tmp_path / "models"
+    make_avatar(root, "a", kind="tiny")
+    broken = make_avatar(root, "c", kind="tiny", seed=1) / "frames" / "2.png"
+    broken.write_bytes(b"not an image")
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS})
+    audio = np.zeros((3, 32, 16, 16), np.float32)
+    deadline_ms = 60_000
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{LONG_CALL_MS},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for model in ("a", "c"):
+                c.load(model)
+            c.composite("c", audio[:2], start_frame=0)   # its good frames read (the store), one call
+
+        async def scenario() -> tuple:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                running = asyncio.ensure_future(client.composite("a", audio[:1], start_frame=0))
+                await asyncio.sleep(LONG_CALL_MS / 4000)   # its call has begun
+                t0 = time.monotonic()
+                bad = asyncio.ensure_future(client.composite("c", audio[:1], start_frame=2, timeout_ms=deadline_ms))
+                good = [asyncio.ensure_future(client.composite("c", audio[:2], start_frame=0)),
+                        asyncio.ensure_future(client.composite("a", audio[:3], start_frame=3))]
+                failed = (await asyncio.gather(bad, return_exceptions=True))[0]
+                took = time.monotonic() - t0
+                return failed, took, await asyncio.gather(running, *good)
+
+        failed, took, served = asyncio.run(scenario())
+        with srv.client() as c:
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    assert isinstance(failed, ServerError) and failed.code == "bad_request", failed
+    assert "2.png" in failed.message and "neither a PNG nor a JPEG" in failed.message, failed.message
+    assert took < deadline_ms / 2000, took   # (before: decoded again and again until its deadline)
+    assert [len(images) for _, images in served] == [1, 2, 3]
+    histogram = {int(rows): n for rows, n in architecture["frames_per_call_histogram"].items()}
+    assert sum(rows * n for rows, n in histogram.items()) == 2 + 1 + 2 + 3, histogram   # (the broken one: none)
+
+
 def _device_frames_per_s(port: int) -> tuple[float, ...]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     return tuple(s.value for family in text_string_to_metric_families(body) for s in family.samples
