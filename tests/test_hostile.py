@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 import zlib
 
 import msgspec
@@ -66,6 +67,8 @@ def models(tmp_path_factory):
     (bomb / "frames" / "0.png").write_bytes(png_claiming(60000, 60000))
     failing = make_avatar(root, "fails", n_frames=2)
     write_failing_model(failing / "model.onnx")
+    garbled = make_avatar(root, "garbled", n_frames=2)
+    (garbled / "frames" / "1.png").write_bytes(b"\x89PNG but not really")   # (frame 0 gives the size)
     return root
 
 
@@ -138,6 +141,27 @@ def test_avatar_replaced_by_fewer_frames_fails_that_request_only(server, models)
         c.unload("shrinks")
         header, images = c.composite("shrinks", np.zeros((2, 32, 16, 16), np.float32), start_frame=4)
         assert header["ok"] and len(images) == 2
+
+
+def test_a_frame_file_that_does_not_decode_is_a_bad_request_named_at_once(server):
+    """A request on it is answered bad_request, naming the file, well before its deadline (the worker
+    once decoded it again and again until then); its other frame still serves."""
+    started = time.monotonic()
+    err = _error(_ask(server, [b'{"op": "composite", "model": "garbled", "batch": 1, "start_frame": 1, '
+                               b'"timeout_ms": 60000}', AUDIO1]))
+    assert err["code"] == "bad_request" and "garbled" in err["message"] and "1.png" in err["message"], err
+    assert time.monotonic() - started < 30, "answered only at its deadline"
+    with server.client() as c:
+        assert c.composite("garbled", np.zeros((1, 32, 16, 16), np.float32), start_frame=0)[0]["ok"]
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "h264"])
+def test_a_session_on_an_avatar_whose_frames_do_not_decode_is_refused_as_a_bad_request(server, fmt):
+    """Its idle frames cannot be rendered: session_open says so, naming the file, as bad_request (a retry
+    cannot help: the avatar's files need fixing), not unavailable."""
+    err = _error(_ask(server, [json.dumps({"op": "session_open", "model": "garbled", "format": fmt}).encode()]))
+    assert err["code"] == "bad_request", err
+    assert "could not be rendered" in err["message"] and "1.png" in err["message"], err
 
 
 def test_a_model_that_fails_at_run_time_fails_only_its_request(server):

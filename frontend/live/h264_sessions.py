@@ -61,7 +61,7 @@ class LoopJob:
         self.h264.loop_done(r, self)
 
     def failed(self, r: Request, code, message: str) -> None:
-        self.h264.loop_failed(r, self, message)
+        self.h264.loop_failed(r, self, code, message)
 
 
 def _addressed(task, r: Request):
@@ -73,11 +73,11 @@ def _addressed(task, r: Request):
 class H264Sessions:
     """Every H.264 session's encoding: `send(session, frame, now, keyframe)` sends a frame (live/service.py),
     `arm()` re-arms the pacer after a session was woken early, `loop_ready(keys)` and
-    `loop_failed(keys, message)` say that idle loop chunks are cached, or will not be."""
+    `loop_failed(keys, code, message)` say that idle loop chunks are cached, or will not be."""
 
     def __init__(self, host: Host, cfg: Any, table: SessionTable, idle: IdleCache, metrics: Any,
                  send: Callable[..., bool], arm: Callable[[], None], loop_ready: Callable[[Iterable], None],
-                 loop_failed: Callable[[Iterable, str], None], clock: Clock = LOOP_CLOCK):
+                 loop_failed: Callable[[Iterable, Any, str], None], clock: Clock = LOOP_CLOCK):
         self.host, self.cfg, self.table, self.idle, self.metrics = host, cfg, table, idle, metrics
         self.clock = clock
         self._send, self._arm = send, arm
@@ -232,10 +232,10 @@ class H264Sessions:
         self.idle.put(job.key, units, sum(map(len, units)))
         self._loop_ready((job.key,))
 
-    def loop_failed(self, r: Request, job: LoopJob, message: str) -> None:
+    def loop_failed(self, r: Request, job: LoopJob, code, message: str) -> None:
         self.idle.rendering.discard(job.key)
         log.warning("encoding the idle loop of model %s failed: %s", r.model, message)
-        self._loop_failed((job.key,), message)
+        self._loop_failed((job.key,), code, message)
 
     def encoded(self, r: Request, job: EncodeJob) -> None:
         """Sessions' frames came back encoded: each access unit waits until due."""

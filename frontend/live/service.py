@@ -64,7 +64,7 @@ class IdleRender:
         self.live.idle_done(r, self)
 
     def failed(self, r: Request, code, message: str) -> None:
-        self.live.idle_failed(self, message)
+        self.live.idle_failed(self, code, message)
 
 
 @dataclass
@@ -317,11 +317,14 @@ class Live:
         self._release(opening.session)
         self.host.send(opening.call.reply_to, P.error_reply(opening.call.header.id, code, message))
 
-    def _opens_failed(self, keys, message: str) -> None:
-        """Renders a session being opened waits for failed: it fails, saying why."""
+    def _opens_failed(self, keys, code, message: str) -> None:
+        """Renders a session being opened waits for failed: it fails, saying why, with the render's code
+        where it says the avatar's files are bad (bad_request: retrying cannot help), else unavailable."""
         keys = set(keys)
+        bad_files = getattr(code, "value", code) == ErrorCode.BAD_REQUEST.value
+        code = ErrorCode.BAD_REQUEST if bad_files else ErrorCode.UNAVAILABLE
         for opening in [o for o in self._opening.values() if o.awaiting & keys]:
-            self._open_failed(opening.session.token, ErrorCode.UNAVAILABLE,
+            self._open_failed(opening.session.token, code,
                               f"model {opening.session.model}: its frames could not be rendered: {message}")
 
     def _audio(self, session: LiveSession, call: OpenCall, audio) -> bytes:
@@ -451,11 +454,11 @@ class Live:
             self.idle.put(key, frame_bytes(image))
         self._check_opens(render.keys)
 
-    def idle_failed(self, render: IdleRender, message: str) -> None:
+    def idle_failed(self, render: IdleRender, code, message: str) -> None:
         for key in render.keys:
             self.idle.rendering.discard(key)
         log.warning("encoding idle frames of model %s failed: %s", render.model, message)
-        self._opens_failed(render.keys, message)
+        self._opens_failed(render.keys, code, message)
 
     def _check_opens(self, keys) -> None:
         """These renders are done: the sessions being opened that waited for them may be ready."""
