@@ -36,20 +36,23 @@ class Backgrounds:
         self._lock = threading.Lock()
         self._known: set[tuple[str, int]] = set()     # (store id, frame) seen in the store (main thread)
         self._decoding: set[tuple[str, int]] = set()  # submitted, not done (both sides, under the lock)
-        self._failed: set[tuple[str, int]] = set()    # failed to decode, not yet reported (under the lock)
+        self._failed: set[tuple[str, int]] = set()    # failed to decode (both sides, under the lock)
         self.decoded = 0                              # frames these threads decoded (stats, tests)
 
     def ready(self, assets: AvatarAssets, frames: Iterable[int]) -> bool:
         """(The main thread) whether every one of `frames` is in the store; each missing one starts
-        decoding, once. A frame that failed to decode counts as ready, once: the task's own fetch then
-        meets the error (AssetError, StoreError) and the task is answered with it; a later task's
-        decodes it again (a file fixed on disk since, or a passing error, then serves)."""
+        decoding, once. A frame that failed to decode counts as ready from then on: each task's own fetch
+        tries it again, and meets the error (AssetError, StoreError) and is answered with it, or, the
+        error having passed, serves. (An avatar's files fixed on disk come back as another version,
+        under another store id.)"""
         sid = assets.store_id
         missing = [f for f in dict.fromkeys(frames) if (sid, f) not in self._known]
         if not missing:
             return True
         if len(self._known) > KNOWN_MAX:
             self._known.clear()
+            with self._lock:
+                self._failed.clear()
         ready = True
         for frame in missing:
             key = (sid, frame)
@@ -58,7 +61,6 @@ class Backgrounds:
                     ready = False
                     continue
                 if key in self._failed:
-                    self._failed.discard(key)
                     continue
             if self._probe.has(sid, frame):
                 self._known.add(key)
@@ -81,7 +83,7 @@ class Backgrounds:
         finally:
             with self._lock:
                 self._decoding.discard((assets.store_id, frame))
-                if failed:   # NOTE: else the task asks again, and it is decoded again, until its deadline
+                if failed:   # NOTE: else each ask of the task decodes it again, until the task's deadline
                     self._failed.add((assets.store_id, frame))
             self._wake()
 

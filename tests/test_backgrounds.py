@@ -10,7 +10,11 @@ import threading
 
 import numpy as np
 
+from config.assets import ModelPaths, load_assets
+from gpu_actor.backgrounds import Backgrounds
 from lipsync_client import AsyncClient
+from shm.store import BackgroundStore, store_spec
+from tests.conftest import TEST_PREFIX
 from tests.helpers import base_config, make_avatar, run_server
 
 AUDIO = np.zeros((1, 32, 16, 16), np.float32)
@@ -61,3 +65,26 @@ def test_a_frame_still_being_read_holds_up_no_other_avatars_requests(tmp_path):
             # its crop came from the frame once written: the same request now gives the same image
             again, frames_again = c.composite("cold", AUDIO, start_frame=3)
         assert frames_again[0] == frames[0]
+
+
+def test_a_frame_that_fails_to_decode_counts_as_ready_from_then_on_and_is_not_decoded_again(tmp_path):
+    """The worker asks `ready` several times a loop (is anything runnable; which tasks make the step):
+    once a frame's decode has failed, every ask says ready, so the task runs and its own read answers
+    with the error; an ask never starts that decode again. A good frame is decoded once, then ready."""
+    d = make_avatar(tmp_path, "x", n_frames=3)
+    (d / "frames" / "1.png").write_bytes(b"\x89PNG but not really")
+    assets = load_assets(ModelPaths("x", d / "model.onnx", d / "frames", d / "crop_rects.json"), (640, 480))
+    store = BackgroundStore.create(store_spec(f"{TEST_PREFIX}-{os.getpid()}-0-{os.urandom(3).hex()}", str(tmp_path),
+                                              8 << 20, 640, 480, "lru"))
+    woken = threading.Semaphore(0)
+    backgrounds = Backgrounds(store.spec, store, woken.release)
+    try:
+        for frame in (0, 1):
+            assert not backgrounds.ready(assets, [frame])   # its decode starts
+            assert woken.acquire(timeout=60), "the decode never ended"
+            assert all(backgrounds.ready(assets, [frame]) for _ in range(5)), frame
+        assert not woken.acquire(timeout=0.5), "an ask started a decode again"
+        assert backgrounds.decoded == 1   # frame 0; frame 1 failed, once
+    finally:
+        backgrounds.close()
+        store.close(unlink=True)
