@@ -20,6 +20,7 @@ import cv2
 import numpy as np
 import psutil
 
+from bench.procstat import server_pids
 from config.assets import ModelPaths, load_assets
 from config.geometry import crop_328
 from cpu_actor.composite import encode_image, mouth_to_uint8, paste
@@ -84,7 +85,7 @@ def served_per_frame(root: Path, seconds: float, spin: bool) -> tuple[float, dic
                                "inference.intra_op_threads": 0})   # the default: onnxruntime picks (2 here)
     with run_server(root, cfg) as srv:
         asyncio.run(_load(srv.endpoint, 1.0))
-        procs = {f"{p['role']}{p['index']}": psutil.Process(p["pid"]) for p in srv.health()["processes"]}
+        procs = {name: psutil.Process(pid) for name, pid in server_pids(srv).items()}
         before = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
         frames = asyncio.run(_load(srv.endpoint, seconds))
         used = {k: (sum(p.cpu_times()[:2]) - before[k]) * 1000 / frames for k, p in procs.items()}

@@ -204,7 +204,8 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
     frame period, or with `pcm` (16 kHz int16) that utterance from its start in 20-ms chunks in real time,
     once per burst; each session speaking `duty` of the time. Several avatars: first a session on each
     speaks all the time for COLD_S, printed (their backgrounds' first decode, cold), so the levels measure
-    avatars in use. `profile`: a directory for a py-spy recording of the frontend per level (bench/pyspy.py)."""
+    avatars in use. `profile`: a directory for py-spy recordings of the frontend and the first
+    inference process per level (bench/pyspy.py)."""
     from bench.sessions import _print, _run_level
     with srv.client(timeout_s=600) as c:   # their loads (and a GPU's warm-up of every shape) are not a level's
         for model in models:

@@ -27,6 +27,11 @@ from lipsync_client import Client
 SATURATED = 90.0   # % of one core: a thread this busy has no headroom left
 
 
+def server_pids(srv) -> dict[str, int]:
+    """A running server's processes by role and index ("frontend0", "gpu0", "cpu1", ...): their pids."""
+    return {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+
+
 def _schedstat(pid: int) -> dict[int, tuple[int, int]]:
     """tid -> (ns on a CPU, ns runnable waiting for one) of every thread of `pid`."""
     out = {}

@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 
 from bench import pyspy
-from bench.procstat import CpuSampler, DepthSampler
+from bench.procstat import CpuSampler, DepthSampler, server_pids
 from lipsync_client import AsyncSession, ServerError
 from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
@@ -160,7 +160,7 @@ def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
 def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg", tts: bool = False,
                metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False,
                admit_s: float = 0.0, models: tuple[str, ...] = ("avatar",)) -> dict:
-    procs = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+    procs = server_pids(srv)
     pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
     cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
     recordings = _record(procs, n, duty, fmt, profile, native)

@@ -58,10 +58,9 @@ def _architecture(srv) -> dict:
 def _round(srv, models: list[str], speech_s: float) -> dict:
     import os
 
-    from bench.procstat import CpuSampler
+    from bench.procstat import CpuSampler, server_pids
     before = _architecture(srv)
-    pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
-    cpu = CpuSampler({**pids, "bench client": os.getpid()})
+    cpu = CpuSampler({**server_pids(srv), "bench client": os.getpid()})
 
     async def together() -> list:
         return await asyncio.gather(*(say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
