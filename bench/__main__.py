@@ -75,7 +75,7 @@ def main() -> int:
                         help="sessions and gpu benches: sessions.shed_speech off (every session misses alike past "
                              "capacity)")
     parser.add_argument("--profile", metavar="DIR", type=Path,
-                        help="sessions and gpu benches: py-spy recordings of the frontend and the first inference "
+                        help="sessions, gpu and steps benches: py-spy recordings of the frontend and the first inference "
                              "process per live level into DIR, summed up per function per frame sent (the inference "
                              "process: per speech frame; needs py-spy installed beside the bench's python)")
     parser.add_argument("--profile-native", action="store_true",
@@ -195,7 +195,8 @@ def main() -> int:
         results["importer"] = importer.run(7500, Path(args.cache_dir) / "importer")
     if args.what == "steps":
         from bench import steps
-        results["steps"] = steps.run(args.levels or (6, 12), args.mixed_modes, args.cost_ms, args.speech_s, args.rounds)
+        results["steps"] = steps.run(args.levels or (6, 12), args.mixed_modes, args.cost_ms, args.speech_s, args.rounds,
+                                     profile=args.profile)
     if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
         from bench import gpu
 

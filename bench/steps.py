@@ -55,12 +55,16 @@ def _architecture(srv) -> dict:
         return next(iter(c.stats()["workers"][0].get("architectures", {}).values()), {})
 
 
-def _round(srv, models: list[str], speech_s: float) -> dict:
+def _round(srv, models: list[str], speech_s: float, profile: Optional[Path] = None) -> dict:
     import os
 
+    from bench import pyspy
     from bench.procstat import CpuSampler, server_pids
     before = _architecture(srv)
-    cpu = CpuSampler({**server_pids(srv), "bench client": os.getpid()})
+    procs = server_pids(srv)
+    cpu = CpuSampler({**procs, "bench client": os.getpid()})
+    exe = pyspy.find() if profile is not None else None
+    recording = pyspy.Recording(exe, procs["gpu0"], profile) if exe else None
 
     async def together() -> list:
         return await asyncio.gather(*(say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
@@ -69,6 +73,7 @@ def _round(srv, models: list[str], speech_s: float) -> dict:
         sessions = asyncio.run(together())
     finally:
         cpu.stop()
+        failed = recording.stop() if recording else ""
     after = _architecture(srv)
     rows = {int(k): v - before.get("frames_per_call_histogram", {}).get(k, 0)
             for k, v in after.get("frames_per_call_histogram", {}).items()}
@@ -78,25 +83,38 @@ def _round(srv, models: list[str], speech_s: float) -> dict:
     missed = sum(s["missed"] for s, _ in sessions)
     used = cpu.result()
     wall_s = cpu.samples[-1][0] - cpu.samples[0][0]
-    return {"frames": frames, "missed": missed, "missed_share": missed / max(frames, 1),
+    figures = {"frames": frames, "missed": missed, "missed_share": missed / max(frames, 1),
             "late": sum(s["late"] for s, _ in sessions), "calls": calls,
             "frames_per_call": held / calls if calls else 0.0,
             "steps": {k: v for k, v in steps.items() if v},
             # where the host's two cores went: the stand-in computes on the CPU what a card would
             "cpu_percent": {k: round(v["cpu"]) for k, v in used.items()},
             "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1)}
+    if recording:   # per frame a call held, scaled by the busiest thread's CPU
+        us = 1e4 * used["gpu0"]["thread_cpu"] * wall_s / max(held, 1)
+        figures["profile"] = ({"error": failed} if failed else
+                              {"samples": 0, **pyspy.summarize(profile, held, us), "process": "inference",
+                               "per": "frame a call held"})
+    return figures
 
 
 def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s: float, rounds: int,
-        max_batch: int = 16) -> dict:
+        max_batch: int = 16, profile: Optional[Path] = None) -> dict:
     import onnx
 
     from gpu_actor.demo_model import build_demo_encoder
     from gpu_actor.device import STAND_IN_COST_ENV, STAND_IN_ENV
+    from bench import pyspy
     from shm.store import entry_bytes
     from tests.helpers import base_config, make_avatar, run_server
     root = Path(tempfile.mkdtemp(prefix="lsync-steps-"))
     out: dict = {"cost_ms": cost_ms, "speech_s": speech_s, "levels": {}}
+    if profile is not None:
+        if pyspy.find() is None:
+            print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
+            profile = None
+        else:
+            profile.mkdir(parents=True, exist_ok=True)
     print(f"device steps on the stand-in, each model call costing {cost_ms} ms (fixed, per frame): PCM sessions on "
           f"avatars of their own, all starting a {speech_s:g}-s utterance at once; limits.max_batch {max_batch}")
     try:
@@ -126,7 +144,8 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                 _round(srv, names, speech_s)
                 for n in levels:
                     for r in range(rounds):
-                        figures = _round(srv, names[:n], speech_s)
+                        recorded = profile / f"inference-{mode}-{n}-{r + 1}.txt" if profile is not None else None
+                        figures = _round(srv, names[:n], speech_s, recorded)
                         out["levels"].setdefault(str(n), {}).setdefault(mode, []).append(figures)
                         print(f"  {n:3d} sessions, {mode:9} round {r + 1}: missed {figures['missed']} of "
                               f"{figures['frames']} ({100 * figures['missed_share']:.1f}%), late {figures['late']}; "
@@ -134,6 +153,10 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"steps {figures['steps']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
                               f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
+                        if "error" in figures.get("profile", {}):
+                            print(f"        profile failed: {figures['profile']['error']}", flush=True)
+                        elif "profile" in figures:
+                            pyspy.print_summary(figures["profile"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return out

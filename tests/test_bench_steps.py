@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+from bench import pyspy
 from config.audio import frame_count, speech
 from tests.helpers import ROOT
 
@@ -14,7 +15,8 @@ from tests.helpers import ROOT
 def test_the_steps_bench_counts_the_speech_and_the_device_calls_of_its_round(tmp_path):
     out = tmp_path / "steps.json"
     run = subprocess.run([sys.executable, "-m", "bench", "steps", "--levels", "2", "--rounds", "1", "--mixed-modes",
-                          "sub_calls", "--speech-s", "1", "--json", str(out)],
+                          "sub_calls", "--speech-s", "1", "--json", str(out),
+                          "--profile", str(tmp_path / "profile")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     (figures,) = json.loads(out.read_text())["steps"]["levels"]["2"]["sub_calls"]
@@ -27,3 +29,10 @@ def test_the_steps_bench_counts_the_speech_and_the_device_calls_of_its_round(tmp
     # where the host's CPU went: each server process and the bench's client, and the worker per frame
     assert {"frontend0", "gpu0", "cpu0", "bench client", "machine"} <= set(figures["cpu_percent"]), figures
     assert figures["cpu_percent"]["gpu0"] > 0 and figures["inference_ms_per_frame"] > 0, figures
+    # --profile: the inference process recorded over the round where py-spy is installed; else said why not
+    if pyspy.find() is None:
+        assert run.stdout.count("py-spy is not installed here") == 1, run.stdout
+    else:
+        assert figures["profile"]["process"] == "inference" and figures["profile"]["samples"] > 0, figures
+        assert list((tmp_path / "profile").glob("inference-sub_calls-2-1.txt")), run.stdout
+        assert "inference profile" in run.stdout, run.stdout
