@@ -32,6 +32,7 @@ class CudaDevice:
     shared_weights = True
     batched = True
     precisions = ("fp32", "fp16")
+    crop_rows = None   # the crops graph in one call at the step's prepared size
     ARENA = {"arena_extend_strategy": "kSameAsRequested"}   # NOTE: the default doubles: up to 2x each session's peak
 
     def __init__(self, device: str):

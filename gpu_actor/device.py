@@ -16,8 +16,9 @@ Three devices:
   shape (1.4-5.7 s on an H100). The environment variable LIPSYNC_STAND_IN_STALL_S=<seconds> makes a
   "cpu" worker one; it is not a setting a server needs. LIPSYNC_STAND_IN_COST_MS=<fixed>,<per frame>
   gives its model calls a card's cost curve: a call of N frames lasts at least fixed + N x per frame ms
-  (a real-size unet_328 on an H100: ~1.6 + 0.89), so a few sessions on a CPU host load it as a card's
-  many do, and how many frames a call holds matters in a test as it does on a card.
+  (a real-size unet_328 on an H100: ~1.6 + 0.89), counting the crops graph's calls that built its input,
+  so a few sessions on a CPU host load it as a card's many do, and how many frames a call holds matters
+  in a test as it does on a card.
 
 Every onnxruntime session that runs on a device is made by its `session` and run by its `run` (IO
 binding) or `infer` (host arrays), so what differs between the three (providers, threads, the first-call
@@ -57,6 +58,7 @@ class Device(Protocol):
     batched: bool          # calls of many frames (else one frame per call)
     lock: DeviceLock       # the load thread's calls into the device; the main thread's CUDA-graph captures
     precisions: tuple[str, ...]   # the inference.precision values it runs
+    crop_rows: Optional[int]      # the most rows one call of the crops graph holds (None: a step's prepared size)
 
     def check(self) -> None: ...
 
@@ -91,6 +93,9 @@ class CpuDevice:
     # has no float16 CPU kernel for (all of unet_328's): float32 arithmetic with the weights rounded,
     # about 10% slower per frame than fp32 (measured on a 2-core x86 host)
     precisions = ("fp32",)
+    # NOTE: the crops graph (gpu_actor/visual_onnx.py) on the CPU provider: 1.24 ms a frame in one call of
+    # 16, 0.87 in calls of 1 or 2 (each op's output stays in the cache); only the real rows, not padding
+    crop_rows: Optional[int] = 2
 
     def __init__(self):
         # NOTE: held by the load thread around each of its calls into the device, and by the main thread
@@ -198,6 +203,7 @@ class StandInDevice(CpuDevice):
         self.stalls = 0                     # first calls that stalled: tests read it
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # session -> input shapes run
         self._lock = threading.Lock()       # the load thread prepares while the main thread runs
+        self._helpers = threading.local()   # per thread: the seconds of helper calls since its last model call
 
     def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
         # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits
@@ -235,9 +241,17 @@ class StandInDevice(CpuDevice):
         self._stall(session, size)
         t0 = time.perf_counter()
         session.run_with_iobinding(binding)
-        if model and any(self.cost_s):
+        spent = time.perf_counter() - t0
+        helpers = getattr(self._helpers, "s", 0.0)
+        if not model:
+            # NOTE: a card builds the crops into the model's input in a few us a frame; the CPU takes about
+            # as long as the curve's own per-frame part: that time counts within the model call it feeds
+            self._helpers.s = helpers + spent
+            return
+        self._helpers.s = 0.0
+        if any(self.cost_s):
             fixed, per_frame = self.cost_s
-            time.sleep(max(fixed + per_frame * size - (time.perf_counter() - t0), 0.0))   # (the GIL is free)
+            time.sleep(max(fixed + per_frame * size - spent - helpers, 0.0))   # (the GIL is free)
 
 
 def cuda_provider() -> bool:

@@ -84,7 +84,7 @@ class Prepared:
             # Without: each model's own buffer is bound.
             self.graph_slot: Optional[GraphSlot] = \
                 GraphSlot(device, architecture, self.shapes.sizes, self._bind) if graphs else None
-        self._crop_bindings: dict[int, object] = {}
+        self._crop_bindings: dict[tuple[int, int], object] = {}   # (first row, rows) -> binding
         self.users: weakref.WeakSet = weakref.WeakSet()   # its PreparedRunners: in use while any lives
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
@@ -128,7 +128,7 @@ class Prepared:
                 with self.lock:   # NOTE: its session goes now, its arena with it: bindings hold it too
                     if self.graph_slot is not None:
                         self.graph_slot.drop(size)
-                    self._crop_bindings.pop(size, None)
+                    self._crop_bindings.pop((0, size), None)
                     del self.sessions[size]
                 continue
             if not self.frame_bytes:
@@ -200,15 +200,21 @@ class Prepared:
         pieces = list(_pieces(parts, step.start, step.end))
         rows = step.end - step.start
         if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
-            # NOTE: zero crops make a zero visual input: padded rows (and rows sent as floats, written over
-            # below) stay harmless zeros
-            host = self.crops_host[:step.size]
-            host[:] = 0
+            # a card builds the prepared size's rows in one call (padded rows from zero crops: zeros); a
+            # CPU only the real rows, a few a call (`Device.crop_rows`), and zeroes the padded ones
+            chunk = device.crop_rows
+            span = step.size if chunk is None else rows
+            host = self.crops_host[:span]
+            host[rows:] = 0
             for part, a, b, at in pieces:
                 if isinstance(part.visual, VisualFrames):
                     np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
-            device.upload(self.crops[:step.size], host)
-            device.run(self.crop_session, self.crop_binding(step.size), step.size, graphs=False, model=False)
+            device.upload(self.crops[:span], host)
+            for first in range(0, span, chunk or span):
+                n = min(chunk or span, span - first)
+                device.run(self.crop_session, self.crop_binding(first, n), n, graphs=False, model=False)
+            if span < step.size:
+                device.zero(self.visual[rows:step.size])
         elif step.padding:   # NOTE: padded rows are zeros, whatever the last call left there
             device.zero(self.visual[rows:step.size])
         for part, a, b, at in pieces:
@@ -229,7 +235,10 @@ class Prepared:
         # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
         # main thread's replays need their own: `call` captures them there)
         device.run(session, binding, size, graphs=False)
-        device.run(self.crop_session, self.crop_binding(size), size, graphs=False, model=False)
+        # the crops graph at the shapes a step of `size` gives it: a card's one call, or (a CPU) each count
+        # of rows a call may hold
+        for n in (size,) if device.crop_rows is None else range(1, min(device.crop_rows, size) + 1):
+            device.run(self.crop_session, self.crop_binding(0, n), n, graphs=False, model=False)
         return binding
 
     def call(self, size: int, binding) -> None:
@@ -285,15 +294,15 @@ class Prepared:
         device.bind(binding, self.io.audio, self.audio[:size])
         device.bind(binding, self.io.output, self.out[:size], output=True)
 
-    def crop_binding(self, size: int):
-        """The crops graph's binding at `size`: crops[:size] -> visual[:size], made once."""
-        binding = self._crop_bindings.get(size)
+    def crop_binding(self, first: int, n: int):
+        """The crops graph's binding for rows [first, first + n): crops -> visual, made once."""
+        binding = self._crop_bindings.get((first, n))
         if binding is None:
             binding = self.crop_session.io_binding()
             inputs, outputs = self.crop_session.get_inputs(), self.crop_session.get_outputs()
-            self.device.bind(binding, inputs[0].name, self.crops[:size])
-            self.device.bind(binding, outputs[0].name, self.visual[:size], output=True)
-            self._crop_bindings[size] = binding
+            self.device.bind(binding, inputs[0].name, self.crops[first:first + n])
+            self.device.bind(binding, outputs[0].name, self.visual[first:first + n], output=True)
+            self._crop_bindings[first, n] = binding
         return binding
 
     def frames_per_s(self) -> float:
