@@ -255,6 +255,33 @@ def test_speech_is_batched_across_sessions_then_paced_out_in_order():
         live.handle(_call("session_close", owners[tokens.index(token)], session=token), [])
 
 
+def test_a_pcm_utterances_frames_go_in_requests_that_fall_due_within_one_latency_budget():
+    """An utterance's end makes its last lookahead's frames computable at once (a TTS burst, all of it):
+    its first frame is due a latency budget from now and would wait for the whole request. So a pcm16
+    session's request holds the frames due within one budget (280 ms at 25 fps: 7), in order, all of
+    them sent."""
+    from config.audio import frame_count, speech
+    live, host, clock = _live()
+    peer = Peer("p")
+    spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
+    assert live.handle(SimpleNamespace(header=P.RequestHeader(op=P.Op("session_open"), id=1, model="a",
+                                                              audio="pcm16"), spec=spec, reply_to=peer), []) is None
+    for r in host.of(Kind.LOAD, Pin):
+        r.results = [SimpleNamespace(worker=0)]
+        _done(r)
+    _finish_idle_renders(live, host)
+    token = _replies(host, peer)[-1]["session"]
+    pcm = speech(2.0, seed=1)
+    live.handle(SimpleNamespace(header=P.RequestHeader(op=P.Op("session_audio"), id=2, session=token, last=True,
+                                                       utterance=1), spec=spec, reply_to=peer), [pcm.tobytes()])
+    clock.advance(1 / FPS)
+    sizes = [r.batch for r in host.of(Kind.COMPOSITE, SpeechBatch)]
+    frames = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
+    assert sum(sizes) == frame_count(len(pcm)) == 49 and frames == sorted(frames), sizes
+    assert max(sizes) == round(0.280 * FPS) == 7, sizes
+    live.handle(_call("session_close", peer, session=token), [])
+
+
 def test_speech_waiting_to_share_a_batch_is_submitted_by_the_pacers_tick_when_it_rings_first():
     """Speech frames wait at most a frame period for other sessions' to share their batch. When the
     pacer rings within that wait, its tick submits them (the process wakes once for both); when it

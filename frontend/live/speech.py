@@ -83,7 +83,12 @@ class SpeechBatcher:
     def pcm(self, session: LiveSession, ready: list, last: bool) -> None:
         """A pcm16 session's frames now computable, [(stream, frame, rows)] (LiveSession.pcm)."""
         # NOTE: per session (its frames index that utterance's encoder inputs); at `last` nothing more comes.
-        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=last)
+        # A request's frames fall due within one latency budget: an utterance's end makes its last
+        # lookahead's frames (about half a second's) computable at once, and its first frame, due a budget
+        # from now, would wait for the whole request, frames due long after it included.
+        most = max(1, round(self.latency_budget_ms / 1000 * session.fps))
+        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=last,
+                    most=most)
 
     def interrupt(self, session: LiveSession) -> None:
         """An interrupt: the session's speech frames waiting to share a batch go, wherever they wait
@@ -137,14 +142,15 @@ class SpeechBatcher:
         the latency budget's worth of a session's speech."""
         return session.h264.compositor if due - now <= self.latency_budget_ms / 1000 else -1
 
-    def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False) -> None:
-        """Queue speech frames for inference under `key`: up to limits.max_batch per request, a full batch
-        at once, the rest after at most one frame period (capped at a quarter of the latency budget), or
-        at once with `now`. Fewer, larger requests are what keeps many sessions on time: each request
-        holds an input and an output slot."""
+    def _queue(self, key, items: list, submit, session: LiveSession, now: bool = False,
+               most: Optional[int] = None) -> None:
+        """Queue speech frames for inference under `key`: up to limits.max_batch (or `most`) per request,
+        a full batch at once, the rest after at most one frame period (capped at a quarter of the latency
+        budget), or at once with `now`. Fewer, larger requests are what keeps many sessions on time: each
+        request holds an input and an output slot."""
         pending = self._pending.setdefault(key, [])
         pending += items
-        step = self.max_batch
+        step = min(self.max_batch, most or self.max_batch)
         while len(pending) >= step:
             submit(pending[:step])
             del pending[:step]
