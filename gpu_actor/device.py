@@ -63,7 +63,8 @@ class Device(Protocol):
     def check(self) -> None: ...
 
     def providers(self, graphs: bool = False) -> list: ...
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession: ...
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
+                helper: bool = False) -> ort.InferenceSession: ...
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]: ...
     def memory_used(self) -> int: ...
@@ -113,9 +114,11 @@ class CpuDevice:
         """At a worker's start: raise DeviceError, saying what to install or configure, where this device
         cannot run models."""
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
-        """A session on this device (`model`: a serialized ModelProto or a file's path); on the CPU its
-        memory comes from the process's one arena."""
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
+                helper: bool = False) -> ort.InferenceSession:
+        """A session on this device (`model`: a serialized ModelProto or a file's path; `helper`: a graph
+        that feeds the model's calls, the crops'); on the CPU its memory comes from the process's one
+        arena."""
         share_cpu_arena(options)
         return new_session(model, options, self.providers(graphs), self.name)
 
@@ -205,9 +208,13 @@ class StandInDevice(CpuDevice):
         self._lock = threading.Lock()       # the load thread prepares while the main thread runs
         self._helpers = threading.local()   # per thread: the seconds of helper calls since its last model call
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
-        # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits
-        options.intra_op_num_threads = 1
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
+                helper: bool = False) -> ort.InferenceSession:
+        # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits. But
+        # the crops graph, which a card runs in a few us a frame, costs the CPU about the curve's own
+        # per-frame part: the host's cores share it (a pool thread each, not spinning: one per
+        # architecture), else the stand-in's steps outlast the curve on the worker's one thread
+        options.intra_op_num_threads = len(os.sched_getaffinity(0)) if helper else 1
         return new_session(model, options, self.providers(graphs), self.name)
 
     def account(self, owner: object, nbytes: int) -> None:
