@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from collections import Counter
 from typing import Optional
 
 CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
@@ -85,6 +86,9 @@ def _round(srv, models: list[str], speech_s: float, profile: Optional[Path] = No
     wall_s = cpu.samples[-1][0] - cpu.samples[0][0]
     figures = {"frames": frames, "missed": missed, "missed_share": missed / max(frames, 1),
             "late": sum(s["late"] for s, _ in sessions), "calls": calls,
+            # the stage each missed frame was still in when due (frontend/live/timeline.py; failed: its
+            # request was answered with an error, as a worker's that would end past the deadline)
+            "missed_in": dict(sum((Counter(s.get("missed_in", {})) for s, _ in sessions), Counter())),
             "frames_per_call": held / calls if calls else 0.0,
             "steps": {k: v for k, v in steps.items() if v},
             # where the host's two cores went: the stand-in computes on the CPU what a card would
@@ -148,7 +152,8 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                         figures = _round(srv, names[:n], speech_s, recorded)
                         out["levels"].setdefault(str(n), {}).setdefault(mode, []).append(figures)
                         print(f"  {n:3d} sessions, {mode:9} round {r + 1}: missed {figures['missed']} of "
-                              f"{figures['frames']} ({100 * figures['missed_share']:.1f}%), late {figures['late']}; "
+                              f"{figures['frames']} ({100 * figures['missed_share']:.1f}%, in {figures['missed_in']}), "
+                              f"late {figures['late']}; "
                               f"{figures['calls']} device calls, {figures['frames_per_call']:.2f} frames a call; "
                               f"steps {figures['steps']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
