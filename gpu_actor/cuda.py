@@ -93,8 +93,7 @@ class CudaDevice:
         options = {"device_id": device_id, **cls.ARENA, **({"enable_cuda_graph": "1"} if graphs else {})}
         return [("CUDAExecutionProvider", options)]
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
-                helper: bool = False) -> ort.InferenceSession:
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
         # NOTE: the GPU does the work: a pool of intra-op threads per session (one per core by default)
         # would be ~100 idle threads per prepared architecture
         options.intra_op_num_threads = 1

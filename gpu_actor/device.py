@@ -11,7 +11,7 @@ Three devices:
   gpu_actor/architectures.py), buffers in cupy, the host thread blocking (not spinning) while the GPU works.
 - `StandInDevice`: the GPU's batching on the CPU provider, for tests and benches where there is no
   GPU. It runs exactly what a CudaDevice runs (prepared sessions, prepared sizes, padding, staging copies,
-  the audio encoder at prepared sizes, sessions on the calling thread) and stops for `stall_s` on the
+  the audio encoder at prepared sizes, sessions called on the worker's thread) and stops for `stall_s` on the
   first call of every session it made at each input shape, as cuDNN does while it builds its plans for a
   shape (1.4-5.7 s on an H100). The environment variable LIPSYNC_STAND_IN_STALL_S=<seconds> makes a
   "cpu" worker one; it is not a setting a server needs. LIPSYNC_STAND_IN_COST_MS=<fixed>,<per frame>
@@ -63,8 +63,7 @@ class Device(Protocol):
     def check(self) -> None: ...
 
     def providers(self, graphs: bool = False) -> list: ...
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
-                helper: bool = False) -> ort.InferenceSession: ...
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession: ...
     def infer(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]: ...
     def sizes(self, max_batch: int, fixed: Optional[int] = None) -> tuple[int, ...]: ...
     def memory_used(self) -> int: ...
@@ -114,11 +113,9 @@ class CpuDevice:
         """At a worker's start: raise DeviceError, saying what to install or configure, where this device
         cannot run models."""
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
-                helper: bool = False) -> ort.InferenceSession:
-        """A session on this device (`model`: a serialized ModelProto or a file's path; `helper`: a graph
-        that feeds the model's calls, the crops'); on the CPU its memory comes from the process's one
-        arena."""
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
+        """A session on this device (`model`: a serialized ModelProto or a file's path); on the CPU its
+        memory comes from the process's one arena."""
         share_cpu_arena(options)
         return new_session(model, options, self.providers(graphs), self.name)
 
@@ -208,13 +205,12 @@ class StandInDevice(CpuDevice):
         self._lock = threading.Lock()       # the load thread prepares while the main thread runs
         self._helpers = threading.local()   # per thread: the seconds of helper calls since its last model call
 
-    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False,
-                helper: bool = False) -> ort.InferenceSession:
-        # NOTE: as a card's (CudaDevice.session): the device does the work, the calling thread waits. But
-        # the crops graph, which a card runs in a few us a frame, costs the CPU about the curve's own
-        # per-frame part: the host's cores share it (a pool thread each, not spinning: one per
-        # architecture), else the stand-in's steps outlast the curve on the worker's one thread
-        options.intra_op_num_threads = len(os.sched_getaffinity(0)) if helper else 1
+    def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:
+        # NOTE: a card's sessions run on the calling thread (CudaDevice.session), which waits while the card
+        # computes. The stand-in computes the same on the CPU, and on one thread its own computing (the crops
+        # graph, the N-model form) took longer than the cost curve it stands in for: its sessions share the
+        # host's cores (a pool of them per session, which does not spin unless inference.spin_threads)
+        options.intra_op_num_threads = len(os.sched_getaffinity(0))
         return new_session(model, options, self.providers(graphs), self.name)
 
     def account(self, owner: object, nbytes: int) -> None:

@@ -74,7 +74,7 @@ class Prepared:
         crops_graph = visual_graph().SerializeToString()
         largest = self.shapes.largest
         with self.lock:
-            self.crop_session = device.session(crops_graph, session_options(*self._options), helper=True)
+            self.crop_session = device.session(crops_graph, session_options(*self._options))
             self.visual = device.empty((largest, *VISUAL_SHAPE))
             self.audio = device.empty((largest, *self.io.audio_shape))
             self.out = device.empty((largest, *MOUTH_SHAPE))

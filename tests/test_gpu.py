@@ -163,7 +163,11 @@ def test_cuda_graphs_replay_each_models_own_weights_when_models_alternate(tmp_pa
 
 def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
     """Its sessions run on the calling thread (a session's intra-op pool, one thread per core by default,
-    would only wait for the GPU): a second architecture adds fewer threads than it has sessions."""
+    would only wait for the GPU): a second architecture adds fewer threads than it has sessions. (The
+    stand-in gives each of its sessions a pool of the host's cores on purpose, to compute what a card
+    would: there a pool thread per session and core past the first.)"""
+    import os
+
     import psutil
 
     from gpu_actor.architectures import Architectures
@@ -175,7 +179,8 @@ def test_a_prepared_architecture_costs_no_idle_threads(tmp_path, device):
     grown = psutil.Process().num_threads() - before
     sessions = len(runner.prepared.sessions) + 1
     print(f"\nthreads: {grown} more for {sessions} sessions")
-    assert grown < sessions
+    pools = 0 if _card(device) else sessions * (len(os.sched_getaffinity(0)) - 1)
+    assert grown < sessions + pools
 
 
 def test_a_grouped_step_on_the_device_gives_each_frame_its_own_models_mouths(tmp_path, device):
