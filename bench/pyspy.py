@@ -37,6 +37,19 @@ def find() -> Optional[str]:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
+def executable(profile: Optional[Path]) -> Optional[str]:
+    """py-spy for `--profile DIR`, DIR made; None without --profile, or where py-spy is not installed
+    (said so: the bench runs without a profile)."""
+    if profile is None:
+        return None
+    exe = find()
+    if exe is None:
+        print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
+        return None
+    profile.mkdir(parents=True, exist_ok=True)
+    return exe
+
+
 class Recording:
     """`py-spy record` of `pid` into `out` (collapsed stacks, one root per thread) until stop()."""
 
@@ -107,7 +120,18 @@ def summarize(path: Path, frames: int, thread_us_per_frame: float, top: int = 15
             "self": rows(own), "total": rows(total)}
 
 
+def figures(out: Path, failed: str, frames: int, thread_us_per_frame: float, process: str, per: str) -> dict:
+    """A stopped recording's figures (`failed`: what Recording.stop said): `summarize`'s, the process's
+    role and what its figures are per, or the error."""
+    if failed:
+        return {"error": failed}
+    return {"samples": 0, **summarize(out, frames, thread_us_per_frame), "process": process, "per": per}
+
+
 def print_summary(s: dict, indent: str = "        ") -> None:
+    if "error" in s:
+        print(f"{indent}profile failed: {s['error']}", flush=True)
+        return
     process, per = s.get("process", "frontend"), s.get("per", "frame sent")
     if not s.get("samples"):
         print(f"{indent}{process} profile: no samples (the process was idle)", flush=True)

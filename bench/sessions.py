@@ -206,8 +206,7 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
                           result["speech"], "speech frame")}
     for name, recording in recordings.items():
         (us, count, per), (role, key) = per_frame[name], PROFILED[name]
-        result[key] = ({"error": failed[name]} if failed[name] else
-                       {"samples": 0, **pyspy.summarize(recording.out, count, us), "process": role, "per": per})
+        result[key] = pyspy.figures(recording.out, failed[name], count, us, role, per)
     return result
 
 
@@ -215,13 +214,9 @@ def _record(procs: dict[str, int], n: int, duty: float, fmt: str, profile: Optio
             native: bool = False) -> dict:
     """py-spy recordings over the level (--profile) of the frontend and of the first inference process,
     by process name; none without --profile or py-spy."""
-    if profile is None:
-        return {}
-    exe = pyspy.find()
+    exe = pyspy.executable(profile)
     if exe is None:
-        print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
         return {}
-    profile.mkdir(parents=True, exist_ok=True)
     level = f"{fmt}-{n}-{'speaking' if duty else 'silent'}"
     return {name: pyspy.Recording(exe, procs[name], profile / f"{role}-{level}.txt", native=native)
             for name, (role, _) in PROFILED.items() if name in procs}
@@ -396,10 +391,7 @@ def _print(r: dict) -> None:
     _print_queues(r.get("queues") or {})
     for key in ("profile", "profile_inference"):
         if r.get(key):
-            if "error" in r[key]:
-                print(f"        profile failed: {r[key]['error']}", flush=True)
-            else:
-                pyspy.print_summary(r[key])
+            pyspy.print_summary(r[key])
 
 
 def _print_processes(r: dict) -> None:

@@ -17,11 +17,12 @@ what a card would.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Optional
 
 CHUNK = 320   # 20 ms at 16 kHz, as Pipecat and LiveKit send it
@@ -56,16 +57,14 @@ def _architecture(srv) -> dict:
         return next(iter(c.stats()["workers"][0].get("architectures", {}).values()), {})
 
 
-def _round(srv, models: list[str], speech_s: float, profile: Optional[Path] = None) -> dict:
-    import os
-
+def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, out: Optional[Path] = None) -> dict:
+    """One utterance on each of `models` at once; `exe`: py-spy, recording the inference process into `out`."""
     from bench import pyspy
     from bench.procstat import CpuSampler, server_pids
     before = _architecture(srv)
     procs = server_pids(srv)
     cpu = CpuSampler({**procs, "bench client": os.getpid()})
-    exe = pyspy.find() if profile is not None else None
-    recording = pyspy.Recording(exe, procs["gpu0"], profile) if exe else None
+    recording = pyspy.Recording(exe, procs["gpu0"], out) if exe else None
 
     async def together() -> list:
         return await asyncio.gather(*(say(srv.endpoint, m, k, speech_s) for k, m in enumerate(models)))
@@ -96,9 +95,7 @@ def _round(srv, models: list[str], speech_s: float, profile: Optional[Path] = No
             "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1)}
     if recording:   # per frame a call held, scaled by the busiest thread's CPU
         us = 1e4 * used["gpu0"]["thread_cpu"] * wall_s / max(held, 1)
-        figures["profile"] = ({"error": failed} if failed else
-                              {"samples": 0, **pyspy.summarize(profile, held, us), "process": "inference",
-                               "per": "frame a call held"})
+        figures["profile"] = pyspy.figures(out, failed, held, us, "inference", "frame a call held")
     return figures
 
 
@@ -113,12 +110,7 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
     from tests.helpers import base_config, make_avatar, run_server
     root = Path(tempfile.mkdtemp(prefix="lsync-steps-"))
     out: dict = {"cost_ms": cost_ms, "speech_s": speech_s, "levels": {}}
-    if profile is not None:
-        if pyspy.find() is None:
-            print("  --profile: py-spy is not installed here (pip install py-spy); no profile", flush=True)
-            profile = None
-        else:
-            profile.mkdir(parents=True, exist_ok=True)
+    exe = pyspy.executable(profile)
     print(f"device steps on the stand-in, each model call costing {cost_ms} ms (fixed, per frame): PCM sessions on "
           f"avatars of their own, all starting a {speech_s:g}-s utterance at once; limits.max_batch {max_batch}")
     try:
@@ -148,8 +140,8 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                 _round(srv, names, speech_s)
                 for n in levels:
                     for r in range(rounds):
-                        recorded = profile / f"inference-{mode}-{n}-{r + 1}.txt" if profile is not None else None
-                        figures = _round(srv, names[:n], speech_s, recorded)
+                        recorded = profile / f"inference-{mode}-{n}-{r + 1}.txt" if exe else None
+                        figures = _round(srv, names[:n], speech_s, exe, recorded)
                         out["levels"].setdefault(str(n), {}).setdefault(mode, []).append(figures)
                         print(f"  {n:3d} sessions, {mode:9} round {r + 1}: missed {figures['missed']} of "
                               f"{figures['frames']} ({100 * figures['missed_share']:.1f}%, in {figures['missed_in']}), "
@@ -158,9 +150,7 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"steps {figures['steps']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
                               f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
-                        if "error" in figures.get("profile", {}):
-                            print(f"        profile failed: {figures['profile']['error']}", flush=True)
-                        elif "profile" in figures:
+                        if "profile" in figures:
                             pyspy.print_summary(figures["profile"])
     finally:
         shutil.rmtree(root, ignore_errors=True)
