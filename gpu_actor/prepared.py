@@ -202,16 +202,16 @@ class Prepared:
         if any(isinstance(part.visual, VisualFrames) for part, *_ in pieces):
             # a card builds the prepared size's rows in one call (padded rows from zero crops: zeros); a
             # CPU only the real rows, a few a call (`Device.crop_rows`), and zeroes the padded ones
-            chunk = device.crop_rows
-            span = step.size if chunk is None else rows
+            span = step.size if device.crop_rows is None else rows
+            chunk = device.crop_rows or span
             host = self.crops_host[:span]
             host[rows:] = 0
             for part, a, b, at in pieces:
                 if isinstance(part.visual, VisualFrames):
                     np.stack(part.visual.crops[a:b], out=host[at:at + b - a])
             device.upload(self.crops[:span], host)
-            for first in range(0, span, chunk or span):
-                n = min(chunk or span, span - first)
+            for first in range(0, span, chunk):
+                n = min(chunk, span - first)
                 device.run(self.crop_session, self.crop_binding(first, n), n, graphs=False, model=False)
             if span < step.size:
                 device.zero(self.visual[rows:step.size])
