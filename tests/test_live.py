@@ -75,8 +75,8 @@ class Peer:
         self.peer, self.tenant, self.conn = (0, (name.encode(),)), None, (0, hash(name) % 1000)
 
 
-def _call(op: str, peer: Peer, **fields):
-    return SimpleNamespace(header=P.RequestHeader(op=P.Op(op), id=1, **fields), spec=SPEC, reply_to=peer)
+def _call(op: str, peer: Peer, spec=SPEC, **fields):
+    return SimpleNamespace(header=P.RequestHeader(op=P.Op(op), id=1, **fields), spec=spec, reply_to=peer)
 
 
 class VirtualClock:
@@ -118,10 +118,10 @@ def _live(**sessions) -> tuple[Live, RecordingHost, VirtualClock]:
     return Live(host, config, Metrics(), clock=clock), host, clock
 
 
-def _open(live: Live, peer: Peer, **fields) -> str:
+def _open(live: Live, peer: Peer, spec=SPEC, **fields) -> str:
     """Open a session as the engine would answer: its model pinned on worker 0, its idle frames rendered."""
     host = live.host
-    assert live.handle(_call("session_open", peer, model="a", **fields), []) is None, "answered before ready"
+    assert live.handle(_call("session_open", peer, spec, model="a", **fields), []) is None, "answered before ready"
     for r in host.of(Kind.LOAD, Pin):
         if not r.results:
             r.results = [SimpleNamespace(worker=0)]
@@ -264,16 +264,9 @@ def test_a_pcm_utterances_frames_go_in_requests_that_fall_due_within_one_latency
     live, host, clock = _live()
     peer = Peer("p")
     spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
-    assert live.handle(SimpleNamespace(header=P.RequestHeader(op=P.Op("session_open"), id=1, model="a",
-                                                              audio="pcm16"), spec=spec, reply_to=peer), []) is None
-    for r in host.of(Kind.LOAD, Pin):
-        r.results = [SimpleNamespace(worker=0)]
-        _done(r)
-    _finish_idle_renders(live, host)
-    token = _replies(host, peer)[-1]["session"]
+    token = _open(live, peer, spec, audio="pcm16")
     pcm = speech(2.0, seed=1)
-    live.handle(SimpleNamespace(header=P.RequestHeader(op=P.Op("session_audio"), id=2, session=token, last=True,
-                                                       utterance=1), spec=spec, reply_to=peer), [pcm.tobytes()])
+    live.handle(_call("session_audio", peer, spec, session=token, last=True, utterance=1), [pcm.tobytes()])
     clock.advance(1 / FPS)
     sizes = [r.batch for r in host.of(Kind.COMPOSITE, SpeechBatch)]
     frames = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
