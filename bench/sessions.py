@@ -163,7 +163,8 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     procs = server_pids(srv)
     pids = {**procs, "supervisor": srv.proc.pid, "bench client": os.getpid()}
     cpu, depth = CpuSampler(pids), DepthSampler(srv.endpoint, metrics_port)
-    recordings = _record(procs, n, duty, fmt, profile, native)
+    kind = ("pcm-tts" if tts else "pcm") if pcm is not None else fmt
+    recordings = _record(procs, n, duty, kind, profile, native)
     cpu.start()
     depth.start()
     try:
@@ -210,14 +211,15 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     return result
 
 
-def _record(procs: dict[str, int], n: int, duty: float, fmt: str, profile: Optional[Path],
+def _record(procs: dict[str, int], n: int, duty: float, kind: str, profile: Optional[Path],
             native: bool = False) -> dict:
     """py-spy recordings over the level (--profile) of the frontend and of the first inference process,
-    by process name; none without --profile or py-spy."""
+    by process name; none without --profile or py-spy. `kind`: the level's input (a format, pcm or
+    pcm-tts), in the recording's name."""
     exe = pyspy.executable(profile)
     if exe is None:
         return {}
-    level = f"{fmt}-{n}-{'speaking' if duty else 'silent'}"
+    level = f"{kind}-{n}-{'speaking' if duty else 'silent'}"
     return {name: pyspy.Recording(exe, procs[name], profile / f"{role}-{level}.txt", native=native)
             for name, (role, _) in PROFILED.items() if name in procs}
 
@@ -322,7 +324,7 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
                                           native=native))
                 _print(results[-1])
             if fmt == "jpeg":
-                _pcm_levels(srv, root, models, seconds, pcm_speaking, results, port)
+                _pcm_levels(srv, root, models, seconds, pcm_speaking, results, port, profile, native)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms) if split else None}
@@ -352,7 +354,7 @@ def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str
 
 
 def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: list,
-                metrics_port: Optional[int] = None) -> None:
+                metrics_port: Optional[int] = None, profile: Optional[Path] = None, native: bool = False) -> None:
     if not levels:
         return
     speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0)))
@@ -362,7 +364,8 @@ def _pcm_levels(srv, root: Path, models: Path, seconds: float, levels, results: 
           f"{costs['encoder_ms_per_frame']:.2f} ms per frame", flush=True)
     for n in levels:
         for tts in (False, True):
-            results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts, metrics_port=metrics_port))
+            results.append(_run_level(srv, n, seconds, 0.27, speech, tts=tts, metrics_port=metrics_port,
+                                      profile=profile, native=native))
             _print(results[-1])
 
 

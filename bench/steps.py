@@ -52,16 +52,21 @@ async def say(endpoint: str, model: str, seed: int, speech_s: float, delay_s: fl
         return await s.close(), frame_count(len(pcm))
 
 
-def _architecture(srv) -> dict:
+def _worker(srv) -> dict:
     with srv.client() as c:
-        return next(iter(c.stats()["workers"][0].get("architectures", {}).values()), {})
+        return c.stats()["workers"][0]
+
+
+def _architecture(srv) -> dict:
+    return next(iter(_worker(srv).get("architectures", {}).values()), {})
 
 
 def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, out: Optional[Path] = None) -> dict:
     """One utterance on each of `models` at once; `exe`: py-spy, recording the inference process into `out`."""
     from bench import pyspy
     from bench.procstat import CpuSampler, server_pids
-    before = _architecture(srv)
+    worker = _worker(srv)
+    before, steps_before = next(iter(worker.get("architectures", {}).values()), {}), worker.get("steps", {})
     procs = server_pids(srv)
     cpu = CpuSampler({**procs, "bench client": os.getpid()})
     recording = pyspy.Recording(exe, procs["gpu0"], out) if exe else None
@@ -74,7 +79,9 @@ def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, o
     finally:
         cpu.stop()
         failed = recording.stop() if recording else ""
-    after = _architecture(srv)
+    worker = _worker(srv)
+    after, steps_after = next(iter(worker.get("architectures", {}).values()), {}), worker.get("steps", {})
+    ran = {k: v - steps_before.get(k, 0) for k, v in steps_after.items()}
     rows = {int(k): v - before.get("frames_per_call_histogram", {}).get(k, 0)
             for k, v in after.get("frames_per_call_histogram", {}).items()}
     calls, held = sum(rows.values()), sum(k * v for k, v in rows.items())
@@ -90,6 +97,9 @@ def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, o
             "missed_in": dict(sum((Counter(s.get("missed_in", {})) for s, _ in sessions), Counter())),
             "frames_per_call": held / calls if calls else 0.0,
             "steps": {k: v for k, v in steps.items() if v},
+            # the worker's device thread: busy over the round, and the steps prepared while another ran
+            "device_busy_share": ran.get("device_busy_s", 0.0) / wall_s if wall_s else 0.0,
+            "prepared_during_a_step": f"{ran.get('prepared_during_a_step', 0):.0f} of {ran.get('steps', 0):.0f}",
             # where the host's two cores went: the stand-in computes on the CPU what a card would
             "cpu_percent": {k: round(v["cpu"]) for k, v in used.items()},
             "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1)}
@@ -147,7 +157,9 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"{figures['frames']} ({100 * figures['missed_share']:.1f}%, in {figures['missed_in']}), "
                               f"late {figures['late']}; "
                               f"{figures['calls']} device calls, {figures['frames_per_call']:.2f} frames a call; "
-                              f"steps {figures['steps']}", flush=True)
+                              f"steps {figures['steps']}; the device thread busy "
+                              f"{100 * figures['device_busy_share']:.0f}% of the round, steps prepared while "
+                              f"another ran {figures['prepared_during_a_step']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
                               f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
                         if "profile" in figures:

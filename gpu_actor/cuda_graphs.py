@@ -6,7 +6,7 @@ architecture (gpu_actor/prepared.py) binds one weight buffer, the slot: a model'
 weights in, unless the slot holds them already. `GraphSlot` owns the slot, which model's weights it holds,
 the one binding per size (the slot and the architecture's staging buffers), and each size's capture:
 onnxruntime captures inside a thread's first runs of a session (two plain runs, then the capture), and
-keeps a graph per thread, so the main thread's first CAPTURE_RUNS calls at a size hold the device's lock
+keeps a graph per thread, so the device thread's first CAPTURE_RUNS calls at a size hold the device's lock
 (the load thread's calls into the device wait meanwhile). A size whose capture fails runs without graphs
 from then on.
 """
@@ -22,13 +22,13 @@ from gpu_actor.weights import Weights
 
 log = logging.getLogger(__name__)
 
-CAPTURE_RUNS = 3         # the main thread's calls per size held under the device's lock (onnxruntime 1.31
+CAPTURE_RUNS = 3         # the device thread's calls per size held under the device's lock (onnxruntime 1.31
                          # captures inside a thread's first run: two plain runs, then the capture)
 
 
 class GraphSlot:
     """The weight slot of one prepared architecture and its captures (module docstring). Made and used
-    under the device's lock on the load thread (warm-up); the main thread's calls go through `run`."""
+    under the device's lock on the load thread (warm-up); the device thread's calls go through `run`."""
 
     def __init__(self, device, architecture, sizes: tuple[int, ...],
                  bind: Callable[[object, Weights, int], None]):
@@ -37,7 +37,7 @@ class GraphSlot:
         self._bind = bind                   # (binding, weights, size): the weights and the staging buffers
         self._holds: Callable[[], Optional[Weights]] = lambda: None
         self._bindings: dict[int, object] = {}
-        self.runs = dict.fromkeys(sizes, 0)   # the main thread's calls per size (its captures)
+        self.runs = dict.fromkeys(sizes, 0)   # the device thread's calls per size (its captures)
         self.plain: set[int] = set()          # sizes whose capture failed: they run without graphs
 
     def holds(self) -> Optional[Weights]:
@@ -64,7 +64,7 @@ class GraphSlot:
         self.runs.pop(size, None)
 
     def run(self, session, binding, size: int) -> None:
-        """(The main thread) one call at `size`: captured at its first calls, holding the device's lock
+        """(The device thread) one call at `size`: captured at its first calls, holding the device's lock
         exclusively, replayed after; a size whose capture fails runs without graphs from then on, this call included."""
         if self.runs[size] >= CAPTURE_RUNS:
             self.device.run(session, binding, size, graphs=size not in self.plain)

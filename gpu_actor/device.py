@@ -56,7 +56,7 @@ class Device(Protocol):
     name: str
     shared_weights: bool   # one prepared session per architecture, weights bound per call
     batched: bool          # calls of many frames (else one frame per call)
-    lock: DeviceLock       # the load thread's calls into the device; the main thread's CUDA-graph captures
+    lock: DeviceLock       # the load thread's calls into the device; the device thread's CUDA-graph captures
     precisions: tuple[str, ...]   # the inference.precision values it runs
     crop_rows: Optional[int]      # the most rows one call of the crops graph holds (None: a step's prepared size)
 
@@ -98,7 +98,7 @@ class CpuDevice:
     crop_rows: Optional[int] = 2
 
     def __init__(self):
-        # NOTE: held by the load thread around each of its calls into the device, and by the main thread
+        # NOTE: held by the load thread around each of its calls into the device, and by the device thread
         # while it captures a CUDA graph (cudaStreamCaptureModeGlobal: another thread's allocation, free or
         # synchronizing call meanwhile breaks the capture); never for a whole load
         self.lock = DeviceLock()
@@ -127,7 +127,7 @@ class CpuDevice:
         return psutil.Process().memory_info().rss
 
     def bind_thread(self) -> None:
-        """(A thread that will use the device: the load thread) make it this device's."""
+        """(A thread that will use the device: the load thread, a worker's device thread) make it this device's."""
 
     # -- buffers (numpy: the CPU provider reads and writes host memory) ---------------------------
 
@@ -202,7 +202,7 @@ class StandInDevice(CpuDevice):
         self.memory_bytes, self.weight_bytes = memory_bytes, 0   # a card's size for weights; 0: no limit
         self.stalls = 0                     # first calls that stalled: tests read it
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # session -> input shapes run
-        self._lock = threading.Lock()       # the load thread prepares while the main thread runs
+        self._lock = threading.Lock()       # the load thread prepares while the device thread runs
         self._helpers = threading.local()   # per thread: the seconds of helper calls since its last model call
 
     def session(self, model: bytes | str, options: ort.SessionOptions, graphs: bool = False) -> ort.InferenceSession:

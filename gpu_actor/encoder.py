@@ -2,10 +2,10 @@
 worker's device, and the features a live session's frames share.
 
 An encoder is run only at prepared batch sizes, as the models are (gpu_actor/shapes.py): SyncTalk_2D's
-encoder is convolutional, so on a card each new count of rows would stop the worker's main thread for
+encoder is convolutional, so on a card each new count of rows would stop the worker's device thread for
 cuDNN's plans (seconds) while every session waits. Each size is its own session (onnxruntime rebuilds a
 session's plans when its input shape changes), warmed largest first on the load thread before the model
-that uses it counts as loaded; the main thread never makes or first-runs an encoder. On the CPU provider
+that uses it counts as loaded; the device thread never makes or first-runs an encoder. On the CPU provider
 (a device that does not batch) there is no plan to build: one session runs any count in one call.
 
 Encoders are kept by their file's content, so avatars that share one (SyncTalk_2D's is one generic model)
@@ -57,7 +57,7 @@ class Encoder:
             return self.device.session(str(self.path), session_options(threads, spin))
 
     def warm(self) -> None:
-        """Run every size once, largest first, so no call of the main thread meets a new shape."""
+        """Run every size once, largest first, so no call of the device thread meets a new shape."""
         for size in sorted(self.sessions, reverse=True):
             rows = np.zeros((max(size, 1), *A.ENCODER_INPUT_SHAPE), np.float32)
             with self.device.lock:
@@ -78,7 +78,7 @@ class Encoder:
 
 class AudioEncoders:
     """A worker's encoders by file content, which model uses which, and the features cache of live
-    sessions. `load` runs on the load thread; the rest on the main thread."""
+    sessions. `load` runs on the load thread; the rest on the device thread."""
 
     def __init__(self, device, max_batch: int, threads: int, spin: bool):
         self.device, self.max_batch, self._options = device, max_batch, (threads, spin)

@@ -70,7 +70,7 @@ class GroupedCalls:
 
     def binding(self, size: int, staging: Optional[tuple] = None):
         """The call's binding at `size`: the weight rows and the architecture's staging buffers (made once;
-        the main thread's), or `staging`, buffers of the warm-up's own (visual, audio, out)."""
+        the device thread's), or `staging`, buffers of the warm-up's own (visual, audio, out)."""
         binding = self._bindings.get(size) if staging is None else None
         if binding is None:
             p, device = self.prepared, self.device
@@ -100,7 +100,7 @@ class GroupedCalls:
         self._owners[:len(rows)] = [weakref.ref(w) for w in rows]
 
     def warm(self, model_weights: Callable[[], Optional[Weights]]) -> bool:
-        """(The load thread, while the main thread may run the architecture's models: buffers of its own)
+        """(The load thread, while the device thread may run the architecture's models: buffers of its own)
         every size, largest first: the first call pays the device's per-shape preparation, the least of
         TIMED_CALLS more is the size's steady cost (each copying every row's weights). The largest size
         runs both ways of the 1x1 convolutions (POINTWISE) and the faster is made at every other size (an
@@ -175,7 +175,7 @@ class GroupedCalls:
             self.call_s.pop(size, None)
 
     def run(self, size: int, rows: list[Weights]) -> None:
-        """(The main thread) one call at `size` whose row i runs with rows[i] (padding rows: any model's)."""
+        """(The device thread) one call at `size` whose row i runs with rows[i] (padding rows: any model's)."""
         rows = rows + [rows[0]] * (size - len(rows))
         self.load(rows)
         self.device.run(self.sessions[size], self.binding(size), size, graphs=False)

@@ -31,7 +31,7 @@ TIMED_CALLS = 3   # a prepared call's steady cost: the least of this many (a bus
 
 def least_time(lock, run: Callable[[], None], calls: int = TIMED_CALLS) -> float:
     """The least seconds of `calls` runs of `run`, `lock` (the device's) held around each and not between
-    them, so the main thread's calls go on meanwhile."""
+    them, so the device thread's calls go on meanwhile."""
     best = float("inf")
     for _ in range(calls):
         with lock:
@@ -130,7 +130,7 @@ def share_cpu_arena(options: ort.SessionOptions) -> None:
 
 
 class DeviceLock:
-    """Who may call into a device while a CUDA graph is captured. A capture (the main thread's first calls
+    """Who may call into a device while a CUDA graph is captured. A capture (the device thread's first calls
     at a size, `exclusive`) must see no other thread's CUDA call: it waits for the calls in progress and
     holds the device alone. Every other holder (the load thread, the background preparation, each around
     one call into the device) shares it with the others: a new avatar's load never waits for another

@@ -39,7 +39,7 @@ class Prepared:
     """One architecture on one device, prepared at every batch size.
 
     Threads: the load thread makes it and prepares it, holding `device.lock` around each call into the
-    device, never a whole load; the main thread runs it. With CUDA graphs the main thread captures each
+    device, never a whole load; the device thread runs it. With CUDA graphs the device thread captures each
     size at its first calls there (gpu_actor/cuda_graphs.GraphSlot)."""
 
     def __init__(self, architecture: Architecture, device, max_batch: int, threads: int, spin: bool,
@@ -88,7 +88,7 @@ class Prepared:
         self.users: weakref.WeakSet = weakref.WeakSet()   # its PreparedRunners: in use while any lives
         self.call_s: dict[int, float] = {}      # size -> a steady call's seconds, measured at preparation
         self.frame_bytes = 0                    # the device memory a frame takes: the largest size's growth
-        self.calls: Counter[int] = Counter()    # the main thread's model calls per size (stats)
+        self.calls: Counter[int] = Counter()    # the device thread's model calls per size (stats)
         self.call_rows: Counter[int] = Counter()   # ... per frames they held (the rest of their rows: padding)
         self.steps: Counter[str] = Counter()    # the worker's steps by kind: one model, sub-calls, grouped
         self.step_calls: list[tuple[int, int]] = []   # the step running: each call's (size, frames)
@@ -180,7 +180,7 @@ class Prepared:
         return self.grouped.call_s[size] < sub_calls
 
     def run_grouped(self, items: list[tuple[object, list[Part]]]) -> None:
-        """(The main thread) the parts of several models (each item: a PreparedRunner, its parts) in one
+        """(The device thread) the parts of several models (each item: a PreparedRunner, its parts) in one
         call of the N-model form."""
         parts = [part for _, part_list in items for part in part_list]
         weights = [runner.weights for runner, part_list in items for part in part_list for _ in range(len(part.out))]
@@ -193,7 +193,7 @@ class Prepared:
         self.unstage(pieces, step)
 
     def stage(self, parts: list[Part], step) -> list:
-        """(The main thread) the parts' rows [step.start, step.end) into the staging buffers, padded with
+        """(The device thread) the parts' rows [step.start, step.end) into the staging buffers, padded with
         zeros to step.size: the avatars' crops made into the visual input on the device, a client's visual
         input and every audio window copied. The pieces staged: (part, its rows a..b, the call's row)."""
         device = self.device
@@ -233,7 +233,7 @@ class Prepared:
         # staging buffers, used once (no request runs this architecture before it is prepared)
         binding = self.binding(weights, size, {})
         # NOTE: graphs=False: no capture on this thread (onnxruntime keeps a graph per thread, and the
-        # main thread's replays need their own: `call` captures them there)
+        # device thread's replays need their own: `call` captures them there)
         device.run(session, binding, size, graphs=False)
         # the crops graph at the shapes a step of `size` gives it: a card's one call, or (a CPU) each count
         # of rows a call may hold
@@ -242,7 +242,7 @@ class Prepared:
         return binding
 
     def call(self, size: int, binding) -> None:
-        """(The main thread) one call at `size` (with CUDA graphs: captured at its first calls, replayed
+        """(The device thread) one call at `size` (with CUDA graphs: captured at its first calls, replayed
         after: gpu_actor/cuda_graphs.GraphSlot.run)."""
         if self.graph_slot is None:
             self.device.run(self.sessions[size], binding, size)
@@ -261,7 +261,7 @@ class Prepared:
         return binding
 
     def unstage(self, pieces: list, step) -> None:
-        """(The main thread) after a model call at `step`: each staged piece's mouths to its part's `out`,
+        """(The device thread) after a model call at `step`: each staged piece's mouths to its part's `out`,
         and the call counted (its size, the frames it held)."""
         for part, a, b, at in pieces:
             self.device.download(self.out[at:at + b - a], part.out[a:b])
@@ -270,13 +270,13 @@ class Prepared:
         self.step_calls.append((step.size, step.end - step.start))
 
     def end_step(self, kind: str) -> list[tuple[int, int]]:
-        """(The main thread) a worker's step of `kind` is over: counted, and its calls' (size, frames)."""
+        """(The device thread) a worker's step of `kind` is over: counted, and its calls' (size, frames)."""
         self.steps[kind] += 1
         calls, self.step_calls = self.step_calls, []
         return calls
 
     def call_stats(self) -> dict:
-        """The main thread's model calls: how many each size had, how many held each count of frames (a
+        """The device thread's model calls: how many each size had, how many held each count of frames (a
         histogram), the mean frames a call held, the share of their rows that were padding; the steps by
         kind."""
         calls, slots = sum(self.calls.values()), sum(size * n for size, n in self.calls.items())

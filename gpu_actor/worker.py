@@ -2,9 +2,14 @@
 of this worker's output ring, and hand the slot on (to the compositing pool, or to the frontend for
 `infer`).
 
-Loop: one poll point over the task socket (tasks and control) and the load-completion socket.
-Tasks whose model is loading, or whose avatar's frames are being decoded (gpu_actor/backgrounds.py), wait
-aside; every other task keeps running meanwhile.
+Loop: one poll point over the task socket (tasks and control) and the wake socket (a load done, a step
+back from the device thread). Tasks whose model is loading, or whose avatar's frames are being decoded
+(gpu_actor/backgrounds.py), wait aside; every other task keeps running meanwhile.
+
+Steps: the main thread picks a step's tasks and prepares them (output slots, inputs: `_prepare`); one
+device thread runs it (gpu_actor/step.py); while it runs, the main thread prepares the next one, and
+answers and hands on the last one's tasks once it is back. So the device runs step after step, the host's
+work between them hidden behind its calls.
 """
 
 from __future__ import annotations
@@ -13,15 +18,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import zmq
 
 from config import Config
-from config import audio as A
 from config.assets import AssetCache, AssetError, model_paths
 from config.geometry import MOUTH_SHAPE, VISUAL_SHAPE
 from gpu_actor.backgrounds import Backgrounds
@@ -29,7 +33,7 @@ from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, mouth_slots, route
 from gpu_actor.registry import Registry
-from gpu_actor.runner import Part
+from gpu_actor.step import Job, Step, run_step
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -80,6 +84,16 @@ class InferenceWorker:
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
         self._step_s: deque[float] = deque(maxlen=STEPS_TIMED)   # the last steps' seconds, start to end
+        # NOTE: one thread makes every device call of a step (the encoder's too: onnxruntime keeps a CUDA
+        # graph per thread, and a capture meets no other call of this worker's); it touches no socket
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix=f"lsync-gpu{index}-device",
+                                                 initializer=device.bind_thread)
+        self._flight: Optional[tuple[Step, Future]] = None   # the step the device thread runs
+        self._flight_started = 0.0
+        self._next: Optional[Step] = None   # the step prepared to run after it
+        self._blocked = False   # no output slot was free for the next step: wait for a message
+        # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
+        self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
@@ -108,6 +122,7 @@ class InferenceWorker:
         self._stopping = True
 
     def close(self) -> None:
+        self._device_thread.shutdown(wait=True)   # NOTE: a step in flight ends before its sessions close
         self.registry.close()
         self.registry.device.unpin_all()   # NOTE: before the rings unmap what it pinned
         for ring in (self.inputs, self.outputs):
@@ -120,15 +135,22 @@ class InferenceWorker:
     def run(self) -> None:
         next_tick = time.monotonic() + IDLE_TICK_MS / 1000
         while not self._stopping:
-            timeout = 0 if self._runnable() is not None else IDLE_TICK_MS
-            self._drain(self.poller.poll(timeout))
-            tasks = self._step_tasks()
-            if tasks:
-                self._step(tasks)
+            self._drain(self.poller.poll(self._timeout()))
+            self._blocked = False
+            self._advance()
             if time.monotonic() >= next_tick:
                 self.registry.unload_idle(time.monotonic())
                 self._expire_waiting()
                 next_tick = time.monotonic() + IDLE_TICK_MS / 1000
+
+    def _timeout(self) -> int:
+        """The loop's poll: none while there is work for this thread now (a step to prepare or start, one
+        back to answer), else until a message or a wake (a load done, the device thread's step back)."""
+        if self._flight is not None and (self._flight[1].done() or self._flight[0].answered < len(self._flight[0].ran)):
+            return 0
+        if self._next is None and not self._blocked and self._runnable() is not None:
+            return 0
+        return IDLE_TICK_MS if self._flight is not None or self._next is None else 0
 
     def _drain(self, events) -> None:
         ready = dict(events)
@@ -177,7 +199,7 @@ class InferenceWorker:
             req=msg.req, worker=self.index, device=self.device,
             models={m: s.as_dict() for m, s in self.registry.stats.items()},
             loaded=sorted(self.registry.loaded), queue=len(self.queue),
-            architectures=self.registry.loader.describe())))
+            architectures=self.registry.loader.describe(), steps=dict(self._steps))))
 
     def _load_op(self, msg: LoadModel) -> None:
         if msg.pin < 0:   # a live session closed: the model may be evicted again (no answer)
@@ -226,62 +248,109 @@ class InferenceWorker:
         self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
                                              message=message, **fields)))
 
-    # -- one step ------------------------------------------------------------------------------------
+    # -- steps --------------------------------------------------------------------------------------
 
-    def _step_tasks(self) -> list[InferTask]:
+    def _advance(self) -> None:
+        """The step back from the device thread taken; a prepared step started as soon as the device
+        thread is free; the step that came back answered and handed on; the next one prepared (while one
+        runs: without waiting for an output slot) and started if the device thread is free."""
+        back = None
+        if self._flight is not None and self._flight[1].done():
+            back = self._landed()
+        elif self._flight is not None:   # a sub-call step's models whose calls are done
+            self._answer_ran(self._flight[0])
+        self._start()
+        if back is not None:   # NOTE: before a step waits for a slot: its hand-offs free them
+            self._finish(back)
+        if self._next is None:
+            self._next = self._prepare(self._step_tasks(), waits=self._flight is None)
+        self._start()
+
+    def _start(self) -> None:
+        """The prepared step to the device thread, if it is free, topped up with the tasks of its
+        architecture that came since it was prepared."""
+        if self._flight is not None or self._next is None:
+            return
+        step, self._next = self._next, None
+        more = self._prepare(self._step_tasks(step.jobs[0].runner.group, step.rows), waits=False, topping_up=True)
+        if more is not None:
+            step.jobs += more.jobs
+        self._flight_started = now = time.monotonic()
+        for job in step.jobs:   # (the wait ends here, not when the step was prepared)
+            job.queue_ms = (now - job.task.enqueued) * 1000 if job.task.enqueued else 0.0
+        self._flight = (step, self._device_thread.submit(run_step, step, self.encoders, self._wake))
+        self._flight[1].add_done_callback(lambda _: self._wake())
+
+    def _landed(self) -> Step:
+        step, future = self._flight
+        self._flight = None
+        try:
+            return future.result()
+        except Exception as err:   # a bug outside any call (run_step answers a call's own errors)
+            log.exception("a step failed")
+            answered = {id(job) for jobs, _ in step.ran[:step.answered] for job in jobs}
+            step.failed = [(job, "internal", f"the step failed: {type(err).__name__}: {err}")
+                           for job in step.jobs if id(job) not in answered]
+            step.ran, step.kind, step.calls = step.ran[:step.answered], "", []
+            return step
+
+    def _step_tasks(self, group: object = None, rows: int = 0) -> list[InferTask]:
         """The next step's tasks, out of the queue: the most urgent runnable task, then the other runnable
         tasks of its architecture, most urgent first, while their frames fit the largest call the device
-        runs (one task at least: a larger one runs as several calls)."""
+        runs (one task at least: a larger one runs as several calls). With `group`: the tasks of that
+        architecture that fit beside the `rows` a step holds already."""
         runnable = sorted((t for t in self.queue if self._ready(t)), key=_urgency)
+        if group is not None:
+            runnable = [t for t in runnable if self.registry.loaded[t.model].runner.group is group]
         if not runnable:
             return []
         first = self.registry.loaded[runnable[0].model].runner
-        chosen, rows = [runnable[0]], runnable[0].batch
-        for task in runnable[1:]:
+        chosen = []
+        for task in runnable:
             runner = self.registry.loaded[task.model].runner
-            if runner.group is first.group and rows + task.batch <= first.step_rows:
+            if (not chosen and not rows) or (runner.group is first.group and rows + task.batch <= first.step_rows):
                 chosen.append(task)
                 rows += task.batch
         for task in chosen:
             self.queue.remove(task)
         return chosen
 
-    def _step(self, tasks: list[InferTask]) -> None:
-        """Run `tasks` together: each its output slot and inputs, then one runner call per model for all
-        of that model's rows (gpu_actor/runner.Runner.run_parts), each task answered and handed on as soon
-        as its model's call is done. A task whose slot, inputs or run fails fails alone. A step that ran
-        calls is timed (`_expected_step_s`)."""
-        t0 = time.monotonic()
-        jobs: list[_Job] = []
+    def _prepare(self, tasks: list[InferTask], waits: bool, topping_up: bool = False) -> Optional[Step]:
+        """A step of `tasks`: each its output slot and inputs (a task answered already is left out). The
+        first task waits for a slot when `waits`; a task that finds none free goes back to the queue with
+        those behind it (None when that was the first). Its deadline is weighed against when the step
+        would end: after the one running now, unless `topping_up` (it starts now)."""
+        if not tasks:
+            return None
+        now = time.monotonic()
+        step_s = self._expected_step_s()
+        starts = now if topping_up or self._flight is None else max(now, self._flight_started + step_s)
+        jobs: list[Job] = []
         for i, task in enumerate(tasks):
             try:
-                job = self._begin(task, wait=not jobs)
-            except _NoSlotFree:   # this task and the rest wait for the next step
+                job = self._begin(task, wait=waits and not jobs, ends=starts + step_s)
+            except _NoSlotFree:   # this task and the rest wait for a later step
                 self.queue.extendleft(reversed(tasks[i:]))
+                self._blocked = not jobs and not topping_up
                 break
             if job is not None:
                 jobs.append(job)
-        jobs = self._audio_inputs(jobs)
-        by_model: dict[str, list[_Job]] = {}
-        for job in jobs:
-            by_model.setdefault(job.task.model, []).append(job)
-        if not by_model:
-            return
-        runners = {model: self.registry.loaded[model].runner for model in by_model}
-        first = runners[jobs[0].task.model]
-        if len(by_model) > 1 and first.group.prefers_grouped([sum(j.task.batch for j in g) for g in by_model.values()]):
-            kind = "grouped"   # several avatars, one call of the architecture's N-model form
-            self._run(jobs, "models " + ", ".join(by_model), lambda: first.group.run_grouped(
-                [(runners[model], [Part(j.visual, j.audio, j.out) for j in group]) for model, group in by_model.items()]))
-        else:
-            kind = "one_model" if len(by_model) == 1 else "sub_calls"
-            for model, group in by_model.items():
-                self._run(group, f"model {model}",
-                          lambda r=runners[model], g=group: r.run_parts([Part(j.visual, j.audio, j.out) for j in g]))
-        calls = first.end_step(kind)
-        self._step_s.append(time.monotonic() - t0)
-        if calls:   # (the GPU path's: a CPU call holds one frame)
-            self.to_frontend.send(pack(StepDone(worker=self.index, kind=kind, calls=calls)))
+        if jobs and self._flight is not None and not topping_up:
+            self._steps["prepared_during_a_step"] += 1
+        return Step(jobs) if jobs else None
+
+    def _finish(self, step: Step) -> None:
+        """(The main thread) a step back from the device thread: each job answered and handed on, or
+        failed; the step timed and counted."""
+        for job, code, message in step.failed:
+            self._fail(job, code, message)
+        self._answer_ran(step)
+        if step.kind:
+            self._step_s.append(step.seconds)
+            self._steps["steps"] += 1
+            self._steps["device_busy_s"] += step.seconds
+        if step.calls:   # (the GPU path's: a CPU call holds one frame)
+            self.to_frontend.send(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls)))
 
     def _expected_step_s(self) -> float:
         """How long a step takes now: the median of the last STEPS_TIMED (0 until three have run)."""
@@ -289,10 +358,10 @@ class InferenceWorker:
             return 0.0
         return sorted(self._step_s)[len(self._step_s) // 2]
 
-    def _begin(self, task: InferTask, wait: bool) -> Optional[_Job]:
-        """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and visual
-        input; None when the task is answered already (its inputs are bad, or it would end past its
-        deadline: a step takes `_expected_step_s`).
+    def _begin(self, task: InferTask, wait: bool, ends: float) -> Optional[Job]:
+        """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and inputs;
+        None when the task is answered already (its inputs are bad or gone, or it would end past its
+        deadline: its step would end at `ends`).
         Past its deadline its frames are of no use (a live session's go out idle), and running them would
         make the tasks behind it late too: under a burst past what the device runs, every frame would be
         late rather than the burst's excess missed."""
@@ -301,10 +370,9 @@ class InferenceWorker:
         if task.deadline and started > task.deadline:
             self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
             return None
-        step_s = self._expected_step_s()
-        if task.deadline and started + step_s > task.deadline:
+        if task.deadline and ends > task.deadline:
             self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue; with steps of "
-                       f"{step_s * 1000:.0f} ms now, it would end past its deadline")
+                       f"{self._expected_step_s() * 1000:.0f} ms now, it would end past its deadline")
             return None
         if wait:
             try:
@@ -321,6 +389,7 @@ class InferenceWorker:
         try:
             out = self.outputs.writable(slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
             visual = self._visual_input(task)
+            sent = self.inputs.read(task.audio)
         except (AssetError, StoreError) as err:
             self.outputs.release(slot)
             self._done(task, "bad_request", str(err))
@@ -330,59 +399,21 @@ class InferenceWorker:
             self._done(task, "timeout", f"request was cancelled while queued ({err})")
             return None
         built = time.perf_counter() - t0 if task.visual is None else 0.0
-        return _Job(task, slot, out, visual, None, queue_ms, built)
+        return Job(task, slot, out, visual, sent, self.registry.loaded[task.model].runner, built)
 
-    def _audio_inputs(self, jobs: list[_Job]) -> list[_Job]:
-        """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
-        every job's together, one encoder call per encoder). The jobs whose audio is fine; the others are
-        answered."""
-        sent: dict[int, np.ndarray] = {}
-        for job in jobs:
-            try:
-                sent[id(job)] = self.inputs.read(job.task.audio)
-            except StaleHandle as err:
-                self._fail(job, "timeout", f"request was cancelled while queued ({err})")
-        live = [job for job in jobs if id(job) in sent and job.task.rows is not None]
-        t0 = time.perf_counter()
-        features = self.encoders.features_many(
-            [(j.task.model, j.task.utterance, j.task.first_input, sent[id(j)]) for j in live])
-        encode_s = time.perf_counter() - t0
-        computed = dict(zip(map(id, live), features))
-        ok = []
-        for job in (j for j in jobs if id(j) in sent):
-            t1 = time.perf_counter()
-            try:
-                job.audio = self._audio_input(job.task, sent[id(job)], computed.get(id(job)))
-            except AssetError as err:
-                self._fail(job, "bad_request", str(err))
-                continue
-            if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
-                job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
-            ok.append(job)
-        return ok
-
-    def _fail(self, job: _Job, code: str, message: str) -> None:
+    def _fail(self, job: Job, code: str, message: str) -> None:
         self.outputs.release(job.slot)
         self._done(job.task, code, message)
 
-    def _run(self, jobs: list[_Job], what: str, call: Callable[[], None]) -> None:
-        """Jobs of a step run by `call` (one model's, or several models' grouped); each answered and
-        handed on."""
-        t0 = time.perf_counter()
-        try:
-            call()
-        except StaleHandle as err:   # a client's visual input freed mid-run: the step's results are not theirs
-            for job in jobs:
-                self._fail(job, "timeout", f"request was cancelled while running ({err})")
-            return
-        except Exception as err:  # onnxruntime's own errors, or a bug: these requests fail, not the worker
-            log.exception("running %s failed", what)
-            for job in jobs:
-                self._fail(job, "internal", f"{what} failed to run: {type(err).__name__}: "
-                           f"{str(err).splitlines()[0][:300] if str(err) else ''}")
-            return
-        per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
-        inference_ms = (time.perf_counter() - t0 - per_call) * 1000
+    def _answer_ran(self, step: Step) -> None:
+        """The jobs of `step` whose calls are done and not yet answered: each answered and handed on,
+        unless the frontend freed its inputs meanwhile."""
+        while step.answered < len(step.ran):
+            jobs, inference_ms = step.ran[step.answered]
+            step.answered += 1
+            self._answer(jobs, inference_ms)
+
+    def _answer(self, jobs: list[Job], inference_ms: float) -> None:
         for job in jobs:
             task = job.task
             try:
@@ -399,23 +430,6 @@ class InferenceWorker:
             self._done(task, output=ref if not task.plan else None, queue_ms=job.queue_ms,
                        inference_ms=inference_ms, input_ms=built * 1000)
             hand_off(self.to_cpu, task, self.index, ref)
-
-    def _audio_input(self, task: InferTask, audio: np.ndarray, features: Union[None, np.ndarray, AssetError]) -> np.ndarray:
-        """The model's audio windows: `audio` as sent, or derived from 16 kHz PCM (mel -> encoder ->
-        windows); `features`: a live session's encoder outputs (`_audio_inputs`)."""
-        if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
-            rows = np.asarray(task.rows, np.int64)
-            if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
-                raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
-            if isinstance(features, AssetError):
-                raise features
-            return A.windows_from_rows(features, rows)
-        if audio.dtype != np.int16:
-            return audio
-        windows = self.encoders.windows(task.model, audio)
-        if len(windows) != task.batch:
-            raise AssetError(f"model {task.model}: the PCM gives {len(windows)} frames, the request has {task.batch}")
-        return windows
 
     def _load_encoder(self, model: str) -> None:
         """(The load thread) a model with an audio encoder loads and warms it with the model, so a live
@@ -439,20 +453,6 @@ class InferenceWorker:
 
 class _NoSlotFree(Exception):
     """Every output slot is taken: the task waits for a later step."""
-
-
-@dataclass
-class _Job:
-    """A task of a step: its output slot (`out`: the slot's rows), inputs, and the time it waited and spent
-    building inputs."""
-
-    task: InferTask
-    slot: int
-    out: np.ndarray
-    visual: Union[np.ndarray, VisualFrames]
-    audio: Optional[np.ndarray]
-    queue_ms: float
-    built_s: float
 
 
 def _urgency(task: InferTask) -> float:

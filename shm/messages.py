@@ -276,6 +276,8 @@ class StatsReport(_Msg):
     queue: int
     # a GPU worker's prepared architectures: key -> {"sizes": [...], "frames_per_s": ..., "models": n}
     architectures: dict[str, dict[str, Any]] = {}
+    # a worker's steps: run, prepared while another ran, the seconds its device thread spent running them
+    steps: dict[str, float] = {}
 
 
 # -- supervisor <-> children -----------------------------------------------------------------

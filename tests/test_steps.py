@@ -55,7 +55,8 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
 
         answers = asyncio.run(burst())
         with srv.client() as c:
-            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+            worker = c.stats()["workers"][0]
+        (architecture,) = worker["architectures"].values()
         body = urllib.request.urlopen(f"http://127.0.0.1:{cfg['metrics']['port']}/metrics", timeout=30).read().decode()
     # each request's mouths are its own model's on its own frame (the CPU provider, the model alone)
     runners = {m: OwnSessionRunner(root / m / "model.onnx") for m in ("a", "b")}
@@ -70,6 +71,12 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     assert max(histogram) >= 3 and architecture["frames_per_call"] > 1.5, architecture
     assert architecture["steps"].get(kind, 0) >= 1, architecture   # two avatars in one step
     assert set(architecture["steps"]) <= {"one_model", kind}, architecture
+    # the worker prepared the second step while the first one's call ran, and topped it up as it started
+    # with what came meanwhile: all the requests behind the first call ran in one step
+    steps = worker["steps"]
+    assert steps["steps"] == sum(architecture["steps"].values()) <= 2, steps
+    assert steps["prepared_during_a_step"] == steps["steps"] - 1, steps
+    assert steps["device_busy_s"] >= steps["steps"] * CALL_MS / 1000, steps
     # Prometheus tells the same: frames per device call (a histogram), rows held and padded, steps by kind
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(body) for s in family.samples}

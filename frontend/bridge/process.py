@@ -294,7 +294,8 @@ class BridgeServer(Shell):
                 req=call.edge_req, worker=0, device=f"{len(answers)} worker(s): " + ", ".join(a.device for a in answers),
                 models=merge_model_stats(answers), loaded=sorted({m for a in answers for m in a.loaded}),
                 queue=sum(a.queue for a in answers) + sum(len(w.queue) for w in self.engine.workers),
-                architectures={key: arch for a in answers for key, arch in a.architectures.items()}))
+                architectures={key: arch for a in answers for key, arch in a.architectures.items()},
+                steps={k: sum(a.steps.get(k, 0) for a in answers) for k in {k for a in answers for k in a.steps}}))
         else:
             if r.kind is Kind.LOAD and r.pin and r.results:
                 self._pins.setdefault((call.identity, r.model), []).append(r.results[0].worker)

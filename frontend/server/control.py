@@ -94,7 +94,8 @@ def reply(fe: Frontend, r: Request) -> bytes:
 def _stats(fe: Frontend, r: Request) -> bytes:
     call = r.work
     workers = [{"index": a.worker, "device": a.device, "loaded": a.loaded, "queue": a.queue,
-                **({"architectures": a.architectures} if a.architectures else {})} for a in r.results]
+                **({"architectures": a.architectures} if a.architectures else {}),
+                **({"steps": a.steps} if a.steps else {})} for a in r.results]
     tenant = call.reply_to.tenant
     wanted = call.header.model
     models = {k: v for k, v in merge_model_stats(r.results).items()

@@ -1,0 +1,151 @@
+"""A worker's step on its device thread: the jobs its main thread prepared (gpu_actor/worker.py: each
+task's output slot and inputs), run as one or more device calls (the audio encoder's, then the model's),
+and what came of each job. Nothing here touches a socket: the main thread answers the jobs and hands them
+on once the step is back, and meanwhile prepares the next step, so the device never waits for the host's
+work between two steps (as SGLang's overlap scheduler prepares batch k+1 while batch k runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from config import audio as A
+from config.assets import AssetError
+from gpu_actor.encoder import AudioEncoders
+from gpu_actor.runner import Part, Runner
+from gpu_actor.visual import VisualFrames
+from shm.messages import InferTask
+from shm.ring import StaleHandle
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A task of a step: its output slot (`out`: the slot's rows), its inputs (`sent`: its audio as the
+    frontend sent it; `audio`: the model's windows, made on the device thread), its model's runner, the
+    time it spent building inputs and the time it waited (until its step started)."""
+
+    task: InferTask
+    slot: int
+    out: np.ndarray
+    visual: Union[np.ndarray, VisualFrames]
+    sent: np.ndarray
+    runner: Runner
+    built_s: float
+    queue_ms: float = 0.0
+    audio: Optional[np.ndarray] = None
+
+
+@dataclass
+class Step:
+    """The jobs of one step, and what the device thread made of them: the jobs that failed (code, message),
+    the jobs each call ran (with its ms), the step's kind and device calls, and its seconds."""
+
+    jobs: list[Job]
+    failed: list[tuple[Job, str, str]] = field(default_factory=list)
+    ran: list[tuple[list[Job], float]] = field(default_factory=list)
+    answered: int = 0    # (the main thread's) how many of `ran` it answered
+    kind: str = ""       # one_model, sub_calls or grouped; "" when no job got as far as a call
+    calls: list[tuple[int, int]] = field(default_factory=list)   # each device call's (prepared size, frames)
+    seconds: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(job.task.batch for job in self.jobs)
+
+
+def run_step(step: Step, encoders: AudioEncoders, landed: Callable[[], None]) -> Step:
+    """(The device thread) the step's audio windows, then one runner call per model for all of that model's
+    rows (gpu_actor/runner.Runner.run_parts), or one call of the architecture's N-model form for all of
+    them when it is the faster (Prepared.prefers_grouped). A job whose inputs or call fail fails alone.
+    `landed()` after each model's calls but the last: its jobs can be answered while the rest run."""
+    t0 = time.monotonic()
+    jobs = _audio_inputs(step, encoders)
+    by_model: dict[str, list[Job]] = {}
+    for job in jobs:
+        by_model.setdefault(job.task.model, []).append(job)
+    if not by_model:
+        return step
+    first = jobs[0].runner
+    if len(by_model) > 1 and first.group.prefers_grouped([sum(j.task.batch for j in g) for g in by_model.values()]):
+        step.kind = "grouped"   # several avatars, one call of the architecture's N-model form
+        _run(step, jobs, "models " + ", ".join(by_model), lambda: first.group.run_grouped(
+            [(group[0].runner, _parts(group)) for group in by_model.values()]))
+    else:
+        step.kind = "one_model" if len(by_model) == 1 else "sub_calls"
+        for i, (model, group) in enumerate(by_model.items()):
+            _run(step, group, f"model {model}", lambda g=group: g[0].runner.run_parts(_parts(g)))
+            if i < len(by_model) - 1 and step.ran:
+                landed()
+    step.calls = first.end_step(step.kind)
+    step.seconds = time.monotonic() - t0
+    return step
+
+
+def _parts(jobs: list[Job]) -> list[Part]:
+    return [Part(job.visual, job.audio, job.out) for job in jobs]
+
+
+def _audio_inputs(step: Step, encoders: AudioEncoders) -> list[Job]:
+    """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
+    every job's together, one encoder call per encoder). The jobs whose audio is fine; the others failed."""
+    live = [job for job in step.jobs if job.task.rows is not None]
+    t0 = time.perf_counter()
+    features = encoders.features_many([(j.task.model, j.task.utterance, j.task.first_input, j.sent) for j in live])
+    encode_s = time.perf_counter() - t0
+    computed = dict(zip(map(id, live), features))
+    ok = []
+    for job in step.jobs:
+        t1 = time.perf_counter()
+        try:
+            job.audio = _audio_input(job.task, job.sent, computed.get(id(job)), encoders)
+        except AssetError as err:
+            step.failed.append((job, "bad_request", str(err)))
+            continue
+        if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
+            job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
+        ok.append(job)
+    return ok
+
+
+def _audio_input(task: InferTask, audio: np.ndarray, features: Union[None, np.ndarray, AssetError],
+                 encoders: AudioEncoders) -> np.ndarray:
+    """The model's audio windows: `audio` as sent, or derived from 16 kHz PCM (mel -> encoder -> windows);
+    `features`: a live session's encoder outputs (`_audio_inputs`)."""
+    if task.rows is not None:   # a pcm16 session's encoder inputs, and each frame's rows of their outputs
+        rows = np.asarray(task.rows, np.int64)
+        if rows.shape != (task.batch, 16) or rows.max() >= len(audio) or rows.min() < -1:
+            raise AssetError(f"model {task.model}: window rows {rows.shape} do not fit {len(audio)} encoder inputs")
+        if isinstance(features, AssetError):
+            raise features
+        return A.windows_from_rows(features, rows)
+    if audio.dtype != np.int16:
+        return audio
+    windows = encoders.windows(task.model, audio)
+    if len(windows) != task.batch:
+        raise AssetError(f"model {task.model}: the PCM gives {len(windows)} frames, the request has {task.batch}")
+    return windows
+
+
+def _run(step: Step, jobs: list[Job], what: str, call: Callable[[], None]) -> None:
+    """Jobs of a step run by `call` (one model's, or several models' grouped): `step.ran`, with the call's
+    ms (the visual inputs built between its device calls not counted), or `step.failed`."""
+    t0 = time.perf_counter()
+    try:
+        call()
+    except StaleHandle as err:   # a client's visual input freed mid-run: the step's results are not theirs
+        step.failed.extend((job, "timeout", f"request was cancelled while running ({err})") for job in jobs)
+        return
+    except Exception as err:  # onnxruntime's own errors, or a bug: these requests fail, not the worker
+        log.exception("running %s failed", what)
+        message = f"{what} failed to run: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        step.failed.extend((job, "internal", message) for job in jobs)
+        return
+    per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
+    step.ran.append((jobs, (time.perf_counter() - t0 - per_call) * 1000))
