@@ -50,6 +50,9 @@ class Metrics:
         self.device_call_rows = Counter("lipsync_device_call_rows", "Rows of a GPU worker's device calls: frame "
                                         "(a request's) or padding (up to the prepared size)", ["worker", "row"],
                                         registry=r)
+        self.device_busy_s = Counter("lipsync_device_busy_seconds", "Seconds a GPU worker's device thread spent "
+                                     "running steps (against the wall clock: how busy its device was kept)",
+                                     ["worker"], registry=r)
         self.device_frames_per_s = Gauge("lipsync_device_frames_per_s", "The frames a second a GPU worker's "
                                          "steps run with the models it holds (measured per prepared size: with "
                                          "several avatars of an architecture, their steps' form); live admission "

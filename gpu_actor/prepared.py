@@ -278,13 +278,15 @@ class Prepared:
     def call_stats(self) -> dict:
         """The device thread's model calls: how many each size had, how many held each count of frames (a
         histogram), the mean frames a call held, the share of their rows that were padding; the steps by
-        kind."""
-        calls, slots = sum(self.calls.values()), sum(size * n for size, n in self.calls.items())
-        frames = sum(rows * n for rows, n in self.call_rows.items())
-        return {"calls_by_size": {str(size): n for size, n in sorted(self.calls.items())},
-                "frames_per_call_histogram": {str(rows): n for rows, n in sorted(self.call_rows.items())},
+        kind. (The main thread's, for stats: it copies the counters the device thread adds to, each in one
+        step.)"""
+        by_size, by_rows, steps = dict(self.calls), dict(self.call_rows), dict(self.steps)
+        calls, slots = sum(by_size.values()), sum(size * n for size, n in by_size.items())
+        frames = sum(rows * n for rows, n in by_rows.items())
+        return {"calls_by_size": {str(size): n for size, n in sorted(by_size.items())},
+                "frames_per_call_histogram": {str(rows): n for rows, n in sorted(by_rows.items())},
                 "frames_per_call": round(frames / calls, 2) if calls else 0.0,
-                "padded_share": round(1 - frames / slots, 3) if slots else 0.0, "steps": dict(self.steps)}
+                "padded_share": round(1 - frames / slots, 3) if slots else 0.0, "steps": steps}
 
     def _bind(self, binding, weights: Weights, size: int) -> None:
         device = self.device

@@ -43,7 +43,7 @@ class Job:
 
 
 @dataclass
-class Step:
+class WorkerStep:
     """The jobs of one step, and what the device thread made of them: the jobs that failed (code, message),
     the jobs each call ran (with its ms), the step's kind and device calls, and its seconds."""
 
@@ -60,7 +60,7 @@ class Step:
         return sum(job.task.batch for job in self.jobs)
 
 
-def run_step(step: Step, encoders: AudioEncoders, landed: Callable[[], None]) -> Step:
+def run_step(step: WorkerStep, encoders: AudioEncoders, landed: Callable[[], None]) -> WorkerStep:
     """(The device thread) the step's audio windows, then one runner call per model for all of that model's
     rows (gpu_actor/runner.Runner.run_parts), or one call of the architecture's N-model form for all of
     them when it is the faster (Prepared.prefers_grouped). A job whose inputs or call fail fails alone.
@@ -92,7 +92,7 @@ def _parts(jobs: list[Job]) -> list[Part]:
     return [Part(job.visual, job.audio, job.out) for job in jobs]
 
 
-def _audio_inputs(step: Step, encoders: AudioEncoders) -> list[Job]:
+def _audio_inputs(step: WorkerStep, encoders: AudioEncoders) -> list[Job]:
     """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
     every job's together, one encoder call per encoder). The jobs whose audio is fine; the others failed."""
     live = [job for job in step.jobs if job.task.rows is not None]
@@ -133,7 +133,7 @@ def _audio_input(task: InferTask, audio: np.ndarray, features: Union[None, np.nd
     return windows
 
 
-def _run(step: Step, jobs: list[Job], what: str, call: Callable[[], None]) -> None:
+def _run(step: WorkerStep, jobs: list[Job], what: str, call: Callable[[], None]) -> None:
     """Jobs of a step run by `call` (one model's, or several models' grouped): `step.ran`, with the call's
     ms (the visual inputs built between its device calls not counted), or `step.failed`."""
     t0 = time.perf_counter()

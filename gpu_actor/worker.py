@@ -33,7 +33,7 @@ from gpu_actor.device import make_device
 from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, mouth_slots, route
 from gpu_actor.registry import Registry
-from gpu_actor.step import Job, Step, run_step
+from gpu_actor.step import Job, WorkerStep, run_step
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -88,9 +88,9 @@ class InferenceWorker:
         # graph per thread, and a capture meets no other call of this worker's); it touches no socket
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix=f"lsync-gpu{index}-device",
                                                  initializer=device.bind_thread)
-        self._flight: Optional[tuple[Step, Future]] = None   # the step the device thread runs
+        self._flight: Optional[tuple[WorkerStep, Future]] = None   # the step the device thread runs
         self._flight_started = 0.0
-        self._next: Optional[Step] = None   # the step prepared to run after it
+        self._next: Optional[WorkerStep] = None   # the step prepared to run after it
         self._blocked = False   # no output slot was free for the next step: wait for a message
         # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
         self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
@@ -281,7 +281,7 @@ class InferenceWorker:
         self._flight = (step, self._device_thread.submit(run_step, step, self.encoders, self._wake))
         self._flight[1].add_done_callback(lambda _: self._wake())
 
-    def _landed(self) -> Step:
+    def _landed(self) -> WorkerStep:
         step, future = self._flight
         self._flight = None
         try:
@@ -315,7 +315,7 @@ class InferenceWorker:
             self.queue.remove(task)
         return chosen
 
-    def _prepare(self, tasks: list[InferTask], waits: bool, topping_up: bool = False) -> Optional[Step]:
+    def _prepare(self, tasks: list[InferTask], waits: bool, topping_up: bool = False) -> Optional[WorkerStep]:
         """A step of `tasks`: each its output slot and inputs (a task answered already is left out). The
         first task waits for a slot when `waits`; a task that finds none free goes back to the queue with
         those behind it (None when that was the first). Its deadline is weighed against when the step
@@ -337,9 +337,9 @@ class InferenceWorker:
                 jobs.append(job)
         if jobs and self._flight is not None and not topping_up:
             self._steps["prepared_during_a_step"] += 1
-        return Step(jobs) if jobs else None
+        return WorkerStep(jobs) if jobs else None
 
-    def _finish(self, step: Step) -> None:
+    def _finish(self, step: WorkerStep) -> None:
         """(The main thread) a step back from the device thread: each job answered and handed on, or
         failed; the step timed and counted."""
         for job, code, message in step.failed:
@@ -350,7 +350,8 @@ class InferenceWorker:
             self._steps["steps"] += 1
             self._steps["device_busy_s"] += step.seconds
         if step.calls:   # (the GPU path's: a CPU call holds one frame)
-            self.to_frontend.send(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls)))
+            self.to_frontend.send(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls,
+                                                  seconds=step.seconds)))
 
     def _expected_step_s(self) -> float:
         """How long a step takes now: the median of the last STEPS_TIMED (0 until three have run)."""
@@ -405,7 +406,7 @@ class InferenceWorker:
         self.outputs.release(job.slot)
         self._done(job.task, code, message)
 
-    def _answer_ran(self, step: Step) -> None:
+    def _answer_ran(self, step: WorkerStep) -> None:
         """The jobs of `step` whose calls are done and not yet answered: each answered and handed on,
         unless the frontend freed its inputs meanwhile."""
         while step.answered < len(step.ran):

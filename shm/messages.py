@@ -211,12 +211,14 @@ class InferDone(_Msg):
 
 
 class StepDone(_Msg):
-    """A GPU worker's device step is over (gpu_actor/worker.py): its kind (one_model, sub_calls, grouped)
-    and its device calls, (prepared size, frames held) each; for the frontend's metrics."""
+    """A GPU worker's device step is over (gpu_actor/worker.py): its kind (one_model, sub_calls, grouped),
+    its device calls, (prepared size, frames held) each, and the seconds its device thread ran it; for the
+    frontend's metrics."""
 
     worker: int
     kind: str
     calls: list[tuple[int, int]]
+    seconds: float = 0.0
 
 
 class CompositeDone(_Msg):

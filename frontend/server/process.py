@@ -313,6 +313,7 @@ class Frontend(Shell):
             frames.observe(held)
         m.of(m.device_call_rows, worker, "frame").inc(sum(held for _, held in msg.calls))
         m.of(m.device_call_rows, worker, "padding").inc(sum(size - held for size, held in msg.calls))
+        m.of(m.device_busy_s, worker).inc(msg.seconds)
 
     def _model_event(self, msg: ModelEvent, data: list) -> None:
         self.metrics.model_events.labels(msg.event.value).inc()
