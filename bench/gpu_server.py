@@ -230,7 +230,9 @@ def live(srv, levels: tuple[int, ...], seconds: float, metrics_port: int,
         _print(r)
         r["device_calls"] = calls = _calls_between(before, _calls(srv))
         print(f"        device calls: {calls['calls']}, {calls['frames_per_call']:.2f} frames a call, "
-              f"{calls['padded_share']:.0%} of their rows padding; steps {calls['steps']}", flush=True)
+              f"{calls['padded_share']:.0%} of their rows padding; steps {calls['steps']}; the device thread "
+              f"busy {calls['device_busy_s']:.1f} s of the level's {seconds:g}, {calls['overlapped']:.0f} of "
+              f"{calls['worker_steps']:.0f} steps prepared while another ran", flush=True)
         inferred = r["speech"] / seconds
         gpu = r["processes"].get("gpu0", {}).get("cpu", 0.0)
         r["worker_cpu_per_1000_fps"] = gpu / inferred * 1000 if inferred else None
@@ -263,24 +265,31 @@ def _await_grouped(srv, most_s: float = GROUPED_WAIT_S) -> Optional[float]:
 
 
 def _calls(srv) -> dict:
-    """The worker's model calls so far, summed over its architectures (stats: frames per call)."""
+    """The worker's model calls so far, summed over its architectures (stats: frames per call), and its
+    device thread's seconds in steps."""
     calls: Counter = Counter()
     rows: Counter = Counter()
     steps: Counter = Counter()
+    busy: Counter = Counter()
     for worker in _model_stats(srv).get("workers", []):
         for arch in (worker.get("architectures") or {}).values():
             calls.update({int(k): v for k, v in arch.get("calls_by_size", {}).items()})
             rows.update({int(k): v for k, v in arch.get("frames_per_call_histogram", {}).items()})
             steps.update(arch.get("steps", {}))
-    return {"sizes": calls, "rows": rows, "steps": steps}
+        busy.update(worker.get("steps", {}))
+    return {"sizes": calls, "rows": rows, "steps": steps, "busy": busy}
 
 
 def _calls_between(before: dict, after: dict) -> dict:
-    """The calls a level made: their count, mean frames, padded share of their rows, steps by kind."""
+    """The calls a level made: their count, mean frames, padded share of their rows, steps by kind; the
+    seconds the device thread ran steps, and the steps prepared while another ran."""
     sizes, rows, steps = (after[k] - before[k] for k in ("sizes", "rows", "steps"))
     n, slots, frames = sum(sizes.values()), sum(k * v for k, v in sizes.items()), sum(k * v for k, v in rows.items())
+    busy = {k: after["busy"].get(k, 0) - before["busy"].get(k, 0) for k in after["busy"]}
     return {"calls": n, "frames_per_call": frames / n if n else 0.0, "padded_share": 1 - frames / slots if slots else 0.0,
-            "histogram": {str(k): v for k, v in sorted(rows.items())}, "steps": dict(steps)}
+            "histogram": {str(k): v for k, v in sorted(rows.items())}, "steps": dict(steps),
+            "device_busy_s": busy.get("device_busy_s", 0.0), "overlapped": busy.get("prepared_during_a_step", 0),
+            "worker_steps": busy.get("steps", 0)}
 
 
 def _model_stats(srv, model: Optional[str] = None) -> dict:
