@@ -183,6 +183,44 @@ def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_model
     assert sum(rows * n for rows, n in histogram.items()) == 1 + len(stays) + REQUESTS, histogram
 
 
+def test_a_sub_call_steps_requests_are_answered_as_their_own_models_call_ends(tmp_path):
+    """A step of three avatars run as a call each (`sub_calls`): each avatar's request is answered as its
+    own call ends, while the next avatar's call runs, not once the whole step is done (on a card, a step of
+    sub-calls over many avatars lasts as many calls). (Three: the worker's loop also wakes once a second,
+    which could answer one early request by chance, never two a call apart.)"""
+    root = tmp_path / "models"
+    models = ("a", "b", "c")
+    for seed, model in enumerate(models):
+        make_avatar(root, model, kind="tiny", seed=seed)
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "inference.mixed_steps": "sub_calls"})
+    rng = np.random.default_rng(5)
+    visual, audio = rng.random((1, 6, 320, 320), np.float32), rng.standard_normal((1, 32, 16, 16)).astype(np.float32)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for model in models:
+                c.load(model)
+
+        async def answered(client: AsyncClient, model: str) -> float:
+            await client.infer(model, visual, audio)
+            return time.monotonic()
+
+        async def scenario() -> list:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                running = asyncio.ensure_future(client.infer("a", visual, audio))
+                await asyncio.sleep(CALL_MS / 4000)   # its call has begun (a hop takes milliseconds)
+                ends = await asyncio.gather(*(answered(client, model) for model in models))
+                await running
+                return ends
+
+        ends = sorted(asyncio.run(scenario()))
+        with srv.client() as c:
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    assert architecture["steps"] == {"one_model": 1, "sub_calls": 1}, architecture   # all queued: one step
+    # a call apart (each lasts CALL_MS at least): each answered while the next one's call ran
+    gaps = [later - earlier for earlier, later in zip(ends, ends[1:])]
+    assert min(gaps) >= CALL_MS / 2000, gaps
+
+
 def test_a_request_on_a_background_frame_that_does_not_decode_fails_alone_and_at_once(tmp_path):
     """An avatar's frame file is broken. While a call runs, requests on it queue with others of two
     avatars: the one that needs the broken frame is answered bad_request, naming the file, long before its
