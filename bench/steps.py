@@ -65,6 +65,7 @@ def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, o
     """One utterance on each of `models` at once; `exe`: py-spy, recording the inference process into `out`."""
     from bench import pyspy
     from bench.procstat import CpuSampler, server_pids
+    from bench.sessions import _stages
     worker = _worker(srv)
     before, steps_before = next(iter(worker.get("architectures", {}).values()), {}), worker.get("steps", {})
     procs = server_pids(srv)
@@ -95,6 +96,7 @@ def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, o
             # the stage each missed frame was still in when due (frontend/live/timeline.py; failed: its
             # request was answered with an error, as a worker's that would end past the deadline)
             "missed_in": dict(sum((Counter(s.get("missed_in", {})) for s, _ in sessions), Counter())),
+            "stages_ms": _stages([s for s, _ in sessions]),
             "frames_per_call": held / calls if calls else 0.0,
             "steps": {k: v for k, v in steps.items() if v},
             # the worker's device thread: busy over the round, and the steps prepared while another ran
@@ -162,6 +164,9 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"another ran {figures['prepared_during_a_step']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
                               f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
+                        print("      speech frame stages, ms p50/p99/max: " + ", ".join(
+                            f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
+                            for name, v in figures["stages_ms"].items()), flush=True)
                         if "profile" in figures:
                             pyspy.print_summary(figures["profile"])
     finally:
