@@ -267,14 +267,29 @@ class InferenceWorker:
         self._start()
 
     def _start(self) -> None:
-        """The prepared step to the device thread, if it is free, topped up with the tasks of its
-        architecture that came since it was prepared."""
+        """The prepared step to the device thread, if it is free: its tasks that would now end past their
+        deadlines answered, and topped up with the tasks of its architecture that came since it was
+        prepared."""
         if self._flight is not None or self._next is None:
             return
         step, self._next = self._next, None
-        more = self._prepare(self._step_tasks(step.jobs[0].runner.group, step.rows), waits=False, topping_up=True)
+        group = step.jobs[0].runner.group
+        # NOTE: weighed again: the step that ran before it may have lasted longer than steps do (a new
+        # shape's first call on a card stalls for seconds)
+        now = time.monotonic()
+        ends, kept = now + self._expected_step_s(), []
+        for job in step.jobs:
+            late = self._late(job.task, now, ends)
+            if late:
+                self._fail(job, "timeout", late)
+            else:
+                kept.append(job)
+        step.jobs = kept
+        more = self._prepare(self._step_tasks(group, step.rows), waits=False, topping_up=True)
         if more is not None:
             step.jobs += more.jobs
+        if not step.jobs:
+            return
         self._flight_started = now = time.monotonic()
         for job in step.jobs:   # (the wait ends here, not when the step was prepared)
             job.queue_ms = (now - job.task.enqueued) * 1000 if job.task.enqueued else 0.0
@@ -367,13 +382,9 @@ class InferenceWorker:
         make the tasks behind it late too: under a burst past what the device runs, every frame would be
         late rather than the burst's excess missed."""
         started = time.monotonic()
-        queue_ms = (started - task.enqueued) * 1000 if task.enqueued else 0.0
-        if task.deadline and started > task.deadline:
-            self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue, past the deadline")
-            return None
-        if task.deadline and ends > task.deadline:
-            self._done(task, "timeout", f"waited {queue_ms:.0f} ms in the inference queue; with steps of "
-                       f"{self._expected_step_s() * 1000:.0f} ms now, it would end past its deadline")
+        late = self._late(task, started, ends)
+        if late:
+            self._done(task, "timeout", late)
             return None
         if wait:
             try:
@@ -401,6 +412,19 @@ class InferenceWorker:
             return None
         built = time.perf_counter() - t0 if task.visual is None else 0.0
         return Job(task, slot, out, visual, sent, self.registry.loaded[task.model].runner, built)
+
+    def _late(self, task: InferTask, now: float, ends: float) -> str:
+        """Why `task`, whose step would end at `ends`, is of no use any more (past its deadline, or it would
+        end past it); "" when it is not."""
+        if not task.deadline:
+            return ""
+        queue_ms = (now - task.enqueued) * 1000 if task.enqueued else 0.0
+        if now > task.deadline:
+            return f"waited {queue_ms:.0f} ms in the inference queue, past the deadline"
+        if ends > task.deadline:
+            return (f"waited {queue_ms:.0f} ms in the inference queue; with steps of "
+                    f"{self._expected_step_s() * 1000:.0f} ms now, it would end past its deadline")
+        return ""
 
     def _fail(self, job: Job, code: str, message: str) -> None:
         self.outputs.release(job.slot)

@@ -121,6 +121,43 @@ def test_a_request_that_would_end_past_its_deadline_is_not_run_and_the_one_behin
     assert architecture["frames_per_call_histogram"] == {"1": 4}, architecture   # (the doomed one never ran)
 
 
+def test_a_request_prepared_behind_a_step_that_ran_long_is_weighed_again_and_not_run_past_its_deadline(tmp_path):
+    """The worker prepares the next step while one runs, weighing each request's deadline against when
+    that step should end (steps' usual length). Here the running step lasts far longer (eight frames where
+    steps held one: the stand-in's FRAME_MS a frame, as a card's first call at a new shape would stall):
+    a request prepared behind it whose deadline passes meanwhile is answered `timeout` and never runs."""
+    frame_ms = 300
+    root = tmp_path / "models"
+    make_avatar(root, "a", kind="tiny")
+    cfg = base_config(root, **{"limits.max_batch": 8, "shm.slots": 4})
+    rng = np.random.default_rng(9)
+
+    def frames(n: int) -> tuple[np.ndarray, np.ndarray]:
+        return rng.random((n, 6, 320, 320), np.float32), rng.standard_normal((n, 32, 16, 16)).astype(np.float32)
+    one, eight = frames(1), frames(8)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"0,{frame_ms}"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            c.load("a")
+            for _ in range(3):   # the worker times its steps: one frame, frame_ms, is what a step takes now
+                c.infer("a", *one)
+
+        async def scenario() -> list:
+            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                long = asyncio.ensure_future(client.infer("a", *eight))   # 8 x frame_ms
+                await asyncio.sleep(frame_ms / 1000)   # its call has begun (a hop takes milliseconds)
+                # due 4 steps of one frame from now: it fits behind a usual step, not behind this one
+                doomed = asyncio.ensure_future(client.infer("a", *one, timeout_ms=4 * frame_ms))
+                return await asyncio.gather(long, doomed, return_exceptions=True)
+
+        served, doomed = asyncio.run(scenario())
+        with srv.client() as c:
+            c.infer("a", *one)   # a step after whatever ran behind the long one (stats answer beside a step)
+            (architecture,) = c.stats()["workers"][0]["architectures"].values()
+    assert not isinstance(served, BaseException), served
+    assert isinstance(doomed, ServerError) and doomed.code == "timeout", doomed
+    assert architecture["frames_per_call_histogram"] == {"1": 4, "8": 1}, architecture   # (it never ran)
+
+
 def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_models_queued_frames(tmp_path):
     """While a call runs (the stand-in's LONG_CALL_MS, as a busy card's), two clients' requests queue at the
     worker for its next step: one client goes (its requests end; their inputs are freed while they wait),
