@@ -268,20 +268,20 @@ class InferenceWorker:
 
     def _start(self) -> None:
         """The prepared step to the device thread, if it is free: its tasks that would now end past their
-        deadlines answered, and topped up with the tasks of its architecture that came since it was
+        deadlines, or whose inputs the frontend freed (the request ended), answered; topped up with the tasks of its architecture that came since it was
         prepared."""
         if self._flight is not None or self._next is None:
             return
         step, self._next = self._next, None
         group = step.jobs[0].runner.group
         # NOTE: weighed again: the step that ran before it may have lasted longer than steps do (a new
-        # shape's first call on a card stalls for seconds)
+        # shape's first call on a card stalls for seconds), and a client may have gone meanwhile
         now = time.monotonic()
         ends, kept = now + self._expected_step_s(), []
         for job in step.jobs:
-            late = self._late(job.task, now, ends)
-            if late:
-                self._fail(job, "timeout", late)
+            why = self._late(job.task, now, ends) or self._gone(job.task)
+            if why:
+                self._fail(job, "timeout", why)
             else:
                 kept.append(job)
         step.jobs = kept
@@ -426,6 +426,17 @@ class InferenceWorker:
                     f"{self._expected_step_s() * 1000:.0f} ms now, it would end past its deadline")
         return ""
 
+    def _gone(self, task: InferTask, stage: str = "queued") -> str:
+        """Why `task` ended while it was at `stage` (the frontend freed its inputs: its client went, or it
+        was cancelled); "" when it did not."""
+        try:
+            for ref in (task.audio, task.visual):
+                if ref is not None:
+                    self.inputs.verify(ref)
+        except StaleHandle as err:
+            return f"request was cancelled while {stage} ({err})"
+        return ""
+
     def _fail(self, job: Job, code: str, message: str) -> None:
         self.outputs.release(job.slot)
         self._done(job.task, code, message)
@@ -441,12 +452,9 @@ class InferenceWorker:
     def _answer(self, jobs: list[Job], inference_ms: float) -> None:
         for job in jobs:
             task = job.task
-            try:
-                for ref in (task.audio, task.visual):
-                    if ref is not None:
-                        self.inputs.verify(ref)   # the frontend freed it mid-run: the result is not ours
-            except StaleHandle as err:
-                self._fail(job, "timeout", f"request was cancelled while running ({err})")
+            gone = self._gone(task, "running")   # the frontend freed an input mid-run: the result is not ours
+            if gone:
+                self._fail(job, "timeout", gone)
                 continue
             built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
             self.registry.touch(task.model, task.batch)

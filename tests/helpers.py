@@ -3,6 +3,7 @@ server (`python -m supervisor`) in a subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import psutil
 import simplejpeg
 import yaml
 
-from lipsync_client import Client, ClientTimeout, ServerError
+from lipsync_client import AsyncClient, Client, ClientTimeout, ServerError
 from gpu_actor.demo_model import write_demo_models
 from gpu_actor.model_builder import write_model
 from shm import list_segments
@@ -303,3 +304,11 @@ def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0, prefix: tu
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def infer_at_once(endpoint: str, work: list, timeout_s: float = 120) -> list:
+    """`infer` of each (model, visual, audio) of `work`, all sent at once on one client: their answers."""
+    async def burst() -> list:
+        async with AsyncClient(endpoint, timeout_s=timeout_s) as client:
+            return await asyncio.gather(*(client.infer(model, visual, audio) for model, visual, audio in work))
+    return asyncio.run(burst())

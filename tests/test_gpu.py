@@ -214,3 +214,40 @@ def test_a_grouped_step_on_the_device_gives_each_frame_its_own_models_mouths(tmp
         want = np.empty_like(out)
         OwnSessionRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
         np.testing.assert_allclose(out, want, rtol=0, atol=_atol(device), err_msg=f"part {k}")
+
+
+def test_a_server_on_the_device_serves_two_avatars_through_its_workers_device_thread(tmp_path, device):
+    """A worker's steps run on a thread of their own (gpu_actor/step.py), which makes the worker's device
+    its own before its first call: a server whose worker runs on the device answers a burst of two
+    avatars' requests, each with its own model's mouths (the CPU provider's, within the device's
+    tolerance), and its stats count the steps that thread ran."""
+    from gpu_actor.device import STAND_IN_COST_ENV, STAND_IN_ENV
+    from gpu_actor.own_session import OwnSessionRunner
+    from tests.helpers import base_config, infer_at_once, make_avatar, run_server
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b")):
+        make_avatar(root, model, kind="tiny", seed=seed)
+    card = _card(device)
+    cfg = base_config(root, **{"limits.max_batch": 8, **({"inference.devices": [0]} if card else {})})
+    # (the stand-in: a call lasts 200 ms at least, so the burst queues behind the first and shares steps)
+    env = {} if card else {STAND_IN_ENV: "0", STAND_IN_COST_ENV: "200,0"}
+    rng = np.random.default_rng(4)
+    work = [("ab"[k % 2], rng.random((1, 6, 320, 320), np.float32),
+             rng.standard_normal((1, 32, 16, 16)).astype(np.float32)) for k in range(8)]
+    with run_server(tmp_path, cfg, env=env) as srv:
+        with srv.client(timeout_s=300) as c:
+            for model in ("a", "b"):
+                c.load(model)
+        answers = infer_at_once(srv.endpoint, work, timeout_s=300)
+        with srv.client() as c:
+            worker = c.stats()["workers"][0]
+    runners = {m: OwnSessionRunner(root / m / "model.onnx") for m in ("a", "b")}
+    for (model, visual, audio), (_, frames) in zip(work, answers):
+        expected = np.empty((1, 3, 320, 320), np.float32)
+        runners[model].run(visual, audio, expected)
+        got = np.frombuffer(frames[0], "<f4").reshape(1, 3, 320, 320)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=_atol(device))
+    steps = worker["steps"]
+    assert 1 <= steps["steps"] <= 8 and steps["device_busy_s"] > 0, steps
+    if not card:   # (a card's calls take a millisecond: the burst may come one request a step)
+        assert steps["steps"] < 8, steps

@@ -17,7 +17,7 @@ from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient, ClientClosed, ServerError
-from tests.helpers import base_config, free_port, make_avatar, run_server
+from tests.helpers import base_config, free_port, infer_at_once, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
 REQUESTS = 8    # 1 frame each, on two avatars of one architecture
@@ -48,12 +48,7 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
                 while not next(iter(c.stats()["workers"][0]["architectures"].values()))["grouped_ms"]:
                     assert time.monotonic() < give_up, "the N-model form was never prepared"
                     time.sleep(0.1)
-
-        async def burst() -> list:
-            async with AsyncClient(srv.endpoint, timeout_s=120) as client:
-                return await asyncio.gather(*(client.infer(model, visual, audio) for model, visual, audio in work))
-
-        answers = asyncio.run(burst())
+        answers = infer_at_once(srv.endpoint, work)
         with srv.client() as c:
             worker = c.stats()["workers"][0]
         (architecture,) = worker["architectures"].values()
@@ -160,8 +155,9 @@ def test_a_request_prepared_behind_a_step_that_ran_long_is_weighed_again_and_not
 
 def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_models_queued_frames(tmp_path):
     """While a call runs (the stand-in's LONG_CALL_MS, as a busy card's), two clients' requests queue at the
-    worker for its next step: one client goes (its requests end; their inputs are freed while they wait),
-    and the other's model is asked to unload. The next step runs without the gone client's frames, the
+    worker for its next step: one client goes (its requests end; their inputs are freed while they wait,
+    prepared into that step), and the other's model is asked to unload. The next step runs without the gone
+    client's frames, the
     unload is refused while that model's frames wait, and the other client's mouths are its own model's.
     No output slot is left taken: a request needing every one of them is served after."""
     root = tmp_path / "models"
@@ -186,8 +182,10 @@ def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_model
                 await leaving.__aenter__()
                 running = asyncio.ensure_future(one.infer("a", *first))
                 await asyncio.sleep(LONG_CALL_MS / 4000)   # its call has begun (a hop takes milliseconds)
-                queued = [asyncio.ensure_future(two.infer("b", *f)) for f in stays]
+                # the gone client's first: the worker prepares them into its next step while the call runs
                 dropped = [asyncio.ensure_future(leaving.infer("a", *f)) for f in gone]
+                await asyncio.sleep(LONG_CALL_MS / 8000)
+                queued = [asyncio.ensure_future(two.infer("b", *f)) for f in stays]
                 await asyncio.sleep(LONG_CALL_MS / 8000)   # all at the worker, behind the call
                 await leaving.close()                 # the client goes: its requests end
                 unloaded = await asyncio.gather(two.request("unload", model="b"), return_exceptions=True)
