@@ -92,10 +92,14 @@ class InferenceWorker:
         self._flight_started = 0.0
         self._next: Optional[WorkerStep] = None   # the step prepared to run after it
         self._blocked = False   # no output slot was free for the next step: wait for a message
+        # requests whose jobs hold output slots the device thread may write (prepared or running, not yet
+        # answered), and those of them the frontend ended meanwhile: their slots are freed as they fail
+        self._on_device: set[int] = set()
+        self._ended: set[int] = set()
         # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
         self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
         self._stopping = False
-        self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
+        self._handlers = {InferTask: self._infer_task, ReleaseTask: self._release,
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
                           ResetRequests: lambda m: self.outputs.become_writer()}
         self.poller = zmq.Poller()
@@ -194,6 +198,14 @@ class InferenceWorker:
             req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
             message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
 
+    def _release(self, msg: ReleaseTask) -> None:
+        """The frontend is done with a request: its output slots freed, unless a step holds them (prepared
+        or running): the device thread may still write them, so they are freed as that job fails."""
+        if msg.req in self._on_device:
+            self._ended.add(msg.req)
+        else:
+            self.outputs.release_request(msg.req)
+
     def _stats(self, msg: StatsQuery) -> None:
         self.to_frontend.send(pack(StatsReport(
             req=msg.req, worker=self.index, device=self.device,
@@ -268,8 +280,8 @@ class InferenceWorker:
 
     def _start(self) -> None:
         """The prepared step to the device thread, if it is free: its tasks that would now end past their
-        deadlines, or whose inputs the frontend freed (the request ended), answered; topped up with the tasks of its architecture that came since it was
-        prepared."""
+        deadlines, or whose inputs the frontend freed (the request ended), answered; topped up with the
+        tasks of its architecture that came since it was prepared."""
         if self._flight is not None or self._next is None:
             return
         step, self._next = self._next, None
@@ -411,6 +423,7 @@ class InferenceWorker:
             self._done(task, "timeout", f"request was cancelled while queued ({err})")
             return None
         built = time.perf_counter() - t0 if task.visual is None else 0.0
+        self._on_device.add(task.req)
         return Job(task, slot, out, visual, sent, self.registry.loaded[task.model].runner, built)
 
     def _late(self, task: InferTask, now: float, ends: float) -> str:
@@ -429,6 +442,8 @@ class InferenceWorker:
     def _gone(self, task: InferTask, stage: str = "queued") -> str:
         """Why `task` ended while it was at `stage` (the frontend freed its inputs: its client went, or it
         was cancelled); "" when it did not."""
+        if task.req in self._ended:
+            return f"request was cancelled while {stage}"
         try:
             for ref in (task.audio, task.visual):
                 if ref is not None:
@@ -438,6 +453,8 @@ class InferenceWorker:
         return ""
 
     def _fail(self, job: Job, code: str, message: str) -> None:
+        self._on_device.discard(job.task.req)
+        self._ended.discard(job.task.req)
         self.outputs.release(job.slot)
         self._done(job.task, code, message)
 
@@ -459,6 +476,7 @@ class InferenceWorker:
             built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
             self.registry.touch(task.model, task.batch)
             self.registry.stat(task.model).infer_ms.append(inference_ms)
+            self._on_device.discard(task.req)
             ref = self.outputs.ref(job.slot, 0, "float32", (task.batch, *MOUTH_SHAPE))
             self._done(task, output=ref if not task.plan else None, queue_ms=job.queue_ms,
                        inference_ms=inference_ms, input_ms=built * 1000)
