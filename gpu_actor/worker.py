@@ -304,7 +304,7 @@ class InferenceWorker:
             return
         self._flight_started = now = time.monotonic()
         for job in step.jobs:   # (the wait ends here, not when the step was prepared)
-            job.queue_ms = (now - job.task.enqueued) * 1000 if job.task.enqueued else 0.0
+            job.queue_ms = _waited_ms(job.task, now)
         self._flight = (step, self._device_thread.submit(run_step, step, self.encoders, self._wake))
         self._flight[1].add_done_callback(lambda _: self._wake())
 
@@ -431,7 +431,7 @@ class InferenceWorker:
         end past it); "" when it is not."""
         if not task.deadline:
             return ""
-        queue_ms = (now - task.enqueued) * 1000 if task.enqueued else 0.0
+        queue_ms = _waited_ms(task, now)
         if now > task.deadline:
             return f"waited {queue_ms:.0f} ms in the inference queue, past the deadline"
         if ends > task.deadline:
@@ -504,6 +504,11 @@ class InferenceWorker:
 
 class _NoSlotFree(Exception):
     """Every output slot is taken: the task waits for a later step."""
+
+
+def _waited_ms(task: InferTask, now: float) -> float:
+    """How long `task` has been at this worker, ms (0 where the frontend did not say when it came)."""
+    return (now - task.enqueued) * 1000 if task.enqueued else 0.0
 
 
 def _urgency(task: InferTask) -> float:
