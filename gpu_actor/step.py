@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class Job:
     """A task of a step: its output slot (`out`: the slot's rows), its inputs (`sent`: its audio as the
     frontend sent it; `audio`: the model's windows, made on the device thread), its model's runner, the
-    time it spent building inputs and the time it waited (until its step started)."""
+    time it spent building inputs and the time it waited (until its step started, less that building)."""
 
     task: InferTask
     slot: int

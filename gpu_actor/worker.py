@@ -303,8 +303,8 @@ class InferenceWorker:
         if not step.jobs:
             return
         self._flight_started = now = time.monotonic()
-        for job in step.jobs:   # (the wait ends here, not when the step was prepared)
-            job.queue_ms = _waited_ms(job.task, now)
+        for job in step.jobs:   # the wait ends here, not when the step was prepared; less the inputs'
+            job.queue_ms = max(_waited_ms(job.task, now) - job.built_s * 1000, 0.0)   # building, its own stage
         self._flight = (step, self._device_thread.submit(run_step, step, self.encoders, self._wake))
         self._flight[1].add_done_callback(lambda _: self._wake())
 
