@@ -54,6 +54,7 @@ class Compositor:
         # CompositeTask, RenderIdle, EncodeFrames: the one due soonest first (a live frame's due time,
         # else the deadline; in arrival order among equals, which keeps a session's encodes in order).
         self.queue: list[tuple[float, int, object]] = []
+        self._floor = 0   # request ids below it are a dead frontend's (ResetRequests)
         self._arrivals = itertools.count()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
@@ -118,6 +119,8 @@ class Compositor:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
+            if msg.req < self._floor:   # a dead frontend's, read after the reset
+                return
             due = msg.due or msg.deadline   # batch work and idle renders without a live frame: their deadline
             heapq.heappush(self.queue, (due, next(self._arrivals), msg))
         elif isinstance(msg, EncodeLoop):
@@ -127,8 +130,11 @@ class Compositor:
             self.kept.drop(msg.session)
         elif isinstance(msg, ReleaseImages):
             self.images.release_request(msg.req)
-        elif isinstance(msg, ResetRequests):
-            self.images.become_writer()  # a new frontend: nothing it holds is ours any more
+        elif isinstance(msg, ResetRequests):   # a new frontend: its predecessor's requests are gone
+            self._floor = max(self._floor, msg.floor)
+            self.queue = [entry for entry in self.queue if entry[2].req >= msg.floor]
+            heapq.heapify(self.queue)
+            self.images.release_below(msg.floor)
 
     def _wait_for_release(self, remaining_s: float) -> None:
         """Every image slot is out with the frontend: keep taking messages until one comes back."""

@@ -238,8 +238,11 @@ class RemoteWorker:
                                                 message=f"GPU host {self.endpoint} is unreachable")))
 
     def _reset(self, msg: ResetRequests) -> None:
-        self.pending.clear()
-        self.outputs.become_writer()
+        """The frontend restarted: its predecessor's requests are gone (their answers, when they come, are
+        dropped: `pending` no longer has them)."""
+        for req in [req for req in self.pending if req < msg.floor]:
+            del self.pending[req]
+        self.outputs.release_below(msg.floor)
 
     def _done(self, req: int, code: ErrorCode, message: str) -> None:
         self.to_frontend.send(pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))

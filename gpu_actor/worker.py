@@ -96,12 +96,13 @@ class InferenceWorker:
         # answered), and those of them the frontend ended meanwhile: their slots are freed as they fail
         self._on_device: set[int] = set()
         self._ended: set[int] = set()
+        self._floor = 0   # request ids below it are a dead frontend's (ResetRequests): never answered
         # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
         self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: self._release,
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
-                          ResetRequests: lambda m: self.outputs.become_writer()}
+                          ResetRequests: self._reset}
         self.poller = zmq.Poller()
         self.poller.register(self.tasks, zmq.POLLIN)
         self.poller.register(self._wake_rx, zmq.POLLIN)
@@ -186,6 +187,8 @@ class InferenceWorker:
         route(self._handlers, msg, f"inference worker {self.index}")
 
     def _infer_task(self, msg: InferTask) -> None:
+        if msg.req < self._floor:   # a dead frontend's, read after the reset
+            return
         self.registry.queued(msg.model)
         self.queue.append(msg)
         if msg.model not in self.registry.loaded and not self.registry.start_load(msg.model):
@@ -205,6 +208,18 @@ class InferenceWorker:
             self._ended.add(msg.req)
         else:
             self.outputs.release_request(msg.req)
+
+    def _reset(self, msg: ResetRequests) -> None:
+        """The frontend restarted: its predecessor's requests (ids below `msg.floor`) go unanswered, their
+        slots freed. Those a step holds (prepared or running: the device thread may still write their
+        slots) fail as their step starts or comes back, unanswered; their slots are freed then."""
+        self._floor = max(self._floor, msg.floor)
+        for task in [t for t in self.queue if t.req < msg.floor]:
+            self.queue.remove(task)
+            self.registry.finished(task.model)
+        for model, reqs in list(self.pending_loads.items()):
+            self.pending_loads[model] = [req for req in reqs if req >= msg.floor]
+        self.outputs.release_below(msg.floor, keep=self._on_device)
 
     def _stats(self, msg: StatsQuery) -> None:
         self.to_frontend.send(pack(StatsReport(
@@ -255,6 +270,8 @@ class InferenceWorker:
 
     def _done(self, task: InferTask, code: str = "", message: str = "", **fields) -> None:
         self.registry.finished(task.model)
+        if task.req < self._floor:   # the frontend that sent it is gone: no one to answer
+            return
         if code:
             self.registry.stat(task.model).errors += 1
         self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
@@ -444,6 +461,8 @@ class InferenceWorker:
         was cancelled); "" when it did not."""
         if task.req in self._ended:
             return f"request was cancelled while {stage}"
+        if task.req < self._floor:
+            return f"the frontend restarted while the request was {stage}"
         try:
             for ref in (task.audio, task.visual):
                 if ref is not None:

@@ -153,7 +153,8 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
         actor = build(ctx)
         signal.signal(signal.SIGTERM, lambda *_: actor.stop())
         supervisor.send(pack(Ready(role=role, index=index, pid=os.getpid(), device=actor.device,
-                                   state=getattr(actor, "ready_state", ProcState.READY))))
+                                   state=getattr(actor, "ready_state", ProcState.READY),
+                                   first_req=getattr(getattr(actor, "engine", None), "first_id", 0))))
         actor.run()
     except BaseException as err:
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):

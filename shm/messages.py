@@ -80,7 +80,12 @@ class StatsQuery(_Msg):
 
 
 class ResetRequests(_Msg):
-    """The frontend restarted: every request it knew is gone; free their slots."""
+    """The frontend (or a GPU host's bridge) restarted: every request its predecessor sent, those whose ids
+    are below `floor` (the new one's first id: frontend/core/shell.first_request_id), is gone: drop them,
+    free their slots, answer none of them. Requests at or above `floor` are the new one's, even those that
+    came before this message (it comes from the supervisor, not down the same socket)."""
+
+    floor: Count
 
 
 # -- edge -> GPU host, over the bridge (CURVE) -----------------------------------------------------
@@ -290,6 +295,7 @@ class Ready(_Msg):
     pid: int
     device: str = ""
     state: ProcState = ProcState.READY   # VACANT: a GPU-host slot (DNS) with no host behind it yet
+    first_req: Count = 0   # a frontend's or bridge's first request id (ResetRequests.floor on a restart)
 
 
 class Fatal(_Msg):

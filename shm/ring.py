@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Optional
 
 import msgspec
@@ -261,6 +261,12 @@ class SlotRing:
         for slot in slots:
             self.release(slot)
         return len(slots)
+
+    def release_below(self, floor: int, keep: Collection[int] = ()) -> int:
+        """Free every slot tied to a request id below `floor` (a restarted writer's predecessor's: shm/messages
+        ResetRequests), but those of the requests in `keep`; return how many extents."""
+        old = [req for req in self._by_request if req < floor and req not in keep]
+        return sum(self.release_request(req) for req in old)
 
     def held(self, request_id: int) -> Optional[int]:
         """The first slot of the extent `request_id` holds (its first, where it holds several)."""

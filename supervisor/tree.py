@@ -274,7 +274,7 @@ class Supervisor:
                      f", {msg.state.value}")
             if child.role in ("frontend", "bridge") and child.restarts:
                 for sock in self.to_gpu + self.to_cpu:
-                    sock.send(pack(ResetRequests()))
+                    sock.send(pack(ResetRequests(floor=msg.first_req)))
                 for other in self.children:
                     self._event(other)
             self._event(child)

@@ -186,6 +186,22 @@ class Server:
     def pids(self, role: str) -> list[int]:
         return [p["pid"] for p in self.health()["processes"] if p["role"] == role]
 
+    def restarted(self, role: str, old_pid: int, timeout_s: float = 60) -> tuple[dict, dict]:
+        """Once the server is ready again with a new `role` process in place of `old_pid`: the health, and
+        that process's entry in it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                health = self.health()
+                proc = next(p for p in health["processes"] if p["role"] == role)
+                if health["status"] == "ready" and proc["pid"] != old_pid:
+                    return health, proc
+                assert health["status"] in ("degraded", "ready")
+            except ClientTimeout:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{role} did not come back within {timeout_s}s")
+
     def wait_ready(self, timeout_s: float = 60, states=("ready",)) -> dict:
         deadline = time.monotonic() + timeout_s
         last = None

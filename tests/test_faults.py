@@ -109,21 +109,6 @@ def _kill_during_burst(server, role: str, n: int = 3) -> list:
     return asyncio.run(main())
 
 
-def _wait_ready(server, role, old_pid, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            health = server.health()
-            proc = next(p for p in health["processes"] if p["role"] == role)
-            if health["status"] == "ready" and proc["pid"] != old_pid:
-                return health, proc
-            assert health["status"] in ("degraded", "ready")
-        except ClientTimeout:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{role} did not come back within {timeout_s}s")
-
-
 @pytest.mark.parametrize("role", ["gpu", "cpu"])
 def test_kill_worker_under_load_gives_unavailable_then_recovers(server, role):
     old = server.pids(role)[0]
@@ -135,7 +120,7 @@ def test_kill_worker_under_load_gives_unavailable_then_recovers(server, role):
     for result, _ in results:
         if getattr(result, "code", None) == "unavailable":
             assert "died" in result.message
-    health, proc = _wait_ready(server, role, old)
+    health, proc = server.restarted(role, old)
     assert proc["restarts"] >= 1
     assert _codes(asyncio.run(_burst(server.endpoint, 2))) == ["ok", "ok"]
 
@@ -158,7 +143,7 @@ def test_unavailable_arrives_when_the_worker_is_killed_not_at_the_deadline(serve
 
     code, after = asyncio.run(main())
     assert code == "unavailable" and after < UNNOTICED_S, (code, after)
-    _wait_ready(server, "gpu", pid)
+    server.restarted("gpu", pid)
 
 
 def test_kill_frontend_clients_reconnect_and_succeed(server):
@@ -173,7 +158,7 @@ def test_kill_frontend_clients_reconnect_and_succeed(server):
         except ClientTimeout:
             assert time.monotonic() < deadline, "frontend did not come back"
     assert header["ok"] and len(images) == 4
-    _, proc = _wait_ready(server, "frontend", old)
+    _, proc = server.restarted("frontend", old)
     assert proc["pid"] != old
     # The inference workers dropped what the dead frontend held: slow requests are served again.
     assert _codes(asyncio.run(_burst(server.endpoint, 2))) == ["ok", "ok"]
@@ -305,7 +290,7 @@ def test_a_worker_that_dies_during_load_answers_unavailable_at_once(cold_models,
 
         code, after = asyncio.run(main())
         assert code == "unavailable" and after < UNNOTICED_S, (code, after)
-        _wait_ready(srv, "gpu", pid)
+        srv.restarted("gpu", pid)
 
 
 def _probe(port: int, path: str) -> tuple[int, dict]:
@@ -326,7 +311,7 @@ def test_probes_say_alive_and_whether_a_request_would_be_served(server):
         assert time.monotonic() < deadline, "/readyz still said ready"
         time.sleep(0.05)
     assert probe[0] == 503 and "no inference worker is ready" in probe[1]["reason"], probe
-    _wait_ready(server, "gpu", pid)
+    server.restarted("gpu", pid)
     assert _probe(server.metrics_port, "/readyz")[0] == 200
     assert _probe(server.metrics_port, "/healthz")[0] == 200
 

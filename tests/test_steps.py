@@ -6,6 +6,10 @@ do on a busy card."""
 from __future__ import annotations
 
 import asyncio
+import math
+import os
+import signal
+import threading
 import time
 import urllib.request
 
@@ -16,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
-from lipsync_client import AsyncClient, ClientClosed, ServerError
+from lipsync_client import AsyncClient, ClientClosed, ClientTimeout, ServerError
 from tests.helpers import base_config, free_port, infer_at_once, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
@@ -388,3 +392,82 @@ def test_live_pcm_sessions_each_on_its_own_avatar_share_calls_and_miss_nothing(t
     held = sum(k * n for k, n in calls.items()) / sum(calls.values())
     assert held > 1.5, calls   # calls held the frames that queued behind the one before
     assert after["models"] == LIVE_AVATARS + 1
+
+
+
+CALL_S = 0.5   # the stand-in's cost of a call (of one frame: the models below run one frame a call)
+
+
+def _slots_in_use(port: int) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(body) for s in family.samples
+               if s.name == "lipsync_shm_slots_in_use")
+
+
+def test_a_restarted_frontends_requests_get_their_own_mouths_not_those_run_for_the_dead_one(tmp_path):
+    """The frontend dies while a step of its requests runs on the device, two more queued behind it at the
+    worker, and its successor's requests reach the worker while that step still runs: each is answered
+    with its own model's mouths on its own inputs, never with what the worker computed for the dead
+    frontend's requests (left unanswered); the dead one's queued requests never run, and every slot is
+    free again after."""
+    root = tmp_path / "models"
+    for seed, model in enumerate(("a", "b")):   # (a batch of one: a request of n frames runs as n calls)
+        make_avatar(root, model, kind="tiny", seed=seed, batch=1)
+    cfg = base_config(root, **{"limits.max_batch": 16, "shm.slots": 3, "metrics.port": free_port()})
+    port = cfg["metrics"]["port"]
+    rng = np.random.default_rng(11)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_S * 1000:g},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            for model in ("a", "b"):
+                c.load(model)
+        # how long the frontend takes to come back on this host: the dead one's step lasts three times that
+        started = time.monotonic()
+        old = srv.pids("frontend")[0]
+        os.kill(old, signal.SIGKILL)
+        _, proc = srv.restarted("frontend", old)
+        restart_s = time.monotonic() - started
+        frames = min(16, max(2, math.ceil(3 * restart_s / CALL_S)))
+
+        def dead_frontends_requests() -> None:   # never answered: their frontend dies
+            try:
+                infer_at_once(srv.endpoint, [("a", rng.random((frames, 6, 320, 320), np.float32),
+                                              rng.standard_normal((frames, 32, 16, 16)).astype(np.float32))] * 3,
+                              timeout_s=3 * restart_s + frames * CALL_S)
+            except (ClientTimeout, ClientClosed):
+                pass
+
+        sender = threading.Thread(target=dead_frontends_requests)
+        sender.start()
+        give_up = time.monotonic() + 60
+        while _slots_in_use(port) < 3:   # all at the worker: the first one's step starts at once
+            assert time.monotonic() < give_up, "the request never reached the worker"
+            time.sleep(0.05)
+        os.kill(proc["pid"], signal.SIGKILL)
+        work = [("b", rng.random((1, 6, 320, 320), np.float32),
+                 rng.standard_normal((1, 32, 16, 16)).astype(np.float32)) for _ in range(4)]
+        while True:   # the same client's requests, once the new frontend is up
+            try:
+                answers = infer_at_once(srv.endpoint, work, timeout_s=3 * restart_s + frames * CALL_S)
+                break
+            except ClientTimeout:
+                assert time.monotonic() < give_up + 120, "the frontend did not come back"
+        sender.join()
+        with srv.client() as c:
+            worker = c.stats()["workers"][0]
+        steps = worker["steps"]
+        (architecture,) = worker["architectures"].values()
+        ran = sum(int(rows) * n for rows, n in architecture["frames_per_call_histogram"].items())
+        give_up = time.monotonic() + 30   # (the gauge is set every few seconds)
+        while _slots_in_use(port):
+            assert time.monotonic() < give_up, "input slots are still held"
+            time.sleep(0.1)
+    runner = OwnSessionRunner(root / "b" / "model.onnx")
+    for (_, visual, audio), (header, images) in zip(work, answers):
+        assert header["ok"] and header["batch"] == 1, header
+        mouths = np.frombuffer(images[0], "<f4").reshape(1, 3, 320, 320)
+        expected = np.empty((1, 3, 320, 320), np.float32)
+        runner.run(visual, audio, expected)
+        assert np.abs(mouths - expected).max() <= 1e-5
+    # the new frontend's requests were prepared while the dead one's step ran (what this test is about)
+    assert steps["prepared_during_a_step"] >= 1, steps
+    assert ran == frames + len(work), (ran, frames)   # the dead frontend's first request, and the new ones

@@ -37,7 +37,7 @@ from config.keys import make_server, public_keys_in, start_authenticator
 from frontend import probes
 from frontend.core.request import Inputs, Kind, Request
 from frontend.core.scheduler import STATS_TIMEOUT_S, Scheduler, merge_model_stats
-from frontend.core.shell import Shell
+from frontend.core.shell import Shell, first_request_id
 from frontend.core.slots import RingRoom
 from shm.child import CannotServe, bind_endpoint, child_main
 from shm.codes import ErrorCode
@@ -100,7 +100,7 @@ class BridgeServer(Shell):
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
         engine = Scheduler(list(run.devices), 0, RingRoom(inputs, run.output_rings), config.limits.queue_depth,
-                           config.frontend.routing, STATS_WAIT_S)
+                           config.frontend.routing, STATS_WAIT_S, first_id=first_request_id())
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
         self._edges_seen: dict[bytes, float] = {}

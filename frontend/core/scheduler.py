@@ -222,14 +222,16 @@ class RequestTable:
 
 class Scheduler:
     def __init__(self, devices: list[str], n_compositors: int, room: Room, queue_depth: int,
-                 routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S):
-        """`room`: where dispatched requests hold their inputs (the shell's input rings)."""
+                 routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S, first_id: int = 1):
+        """`room`: where dispatched requests hold their inputs (the shell's input rings); `first_id`: the
+        first request id (core/shell.first_request_id)."""
         self.workers = [WorkerState(i, d) for i, d in enumerate(devices)]
         self.room = room
         self.compositors = [CompositorState() for _ in range(n_compositors)]
         self.table = RequestTable()
         self.queue_depth, self.routing, self.stats_timeout_s = queue_depth, routing, stats_timeout_s
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
+        self.first_id = first_id
         self._rr = itertools.count()       # round_robin routing
         self._turns = itertools.count()    # compositing plans (their own count: sharing one made every
                                            # composite request take two turns, so with two workers

@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "the server is shutting down; retry on another server"
 
 
+def first_request_id() -> int:
+    """The first request id of a shell process (a frontend, a GPU host's bridge) starting now: this host's
+    monotonic clock in microseconds. The shell it replaces began at an earlier microsecond and used fewer
+    ids than microseconds went by (a million requests a second is far past any), so every id of the new
+    shell is above every id of the old: a worker's answer to a dead shell's request can never be taken
+    for the answer to a new one (the workers drop what the old held: ResetRequests.floor)."""
+    return time.monotonic_ns() // 1000
+
+
 class Shell:
     """Subclasses implement, where compositors exist, `render` and `free_images`; a request ends through
     the work it carries (`Request.work`), which `done` and `fail` call."""

@@ -30,7 +30,7 @@ from frontend.core.alarm import Alarm
 from frontend.core.backlog import Backlogs
 from frontend.core.request import Kind, Request
 from frontend.core.scheduler import Render, Scheduler
-from frontend.core.shell import Shell
+from frontend.core.shell import Shell, first_request_id
 from frontend.core.slots import RingRoom
 from frontend.live.capacity import ProcessCpu
 from frontend.live.service import Live
@@ -90,7 +90,7 @@ class Frontend(Shell):
             ring.become_writer()   # the frontend is the one writer of every input ring
         to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
         engine = Scheduler(list(run.devices), len(run.endpoints.cpu), RingRoom(inputs, run.output_rings),
-                           lim.queue_depth, config.frontend.routing)
+                           lim.queue_depth, config.frontend.routing, first_id=first_request_id())
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
