@@ -117,7 +117,8 @@ class InferenceWorker:
 
     def _wake(self) -> None:
         with self._wake_lock:
-            self._wake_tx.send(b"")
+            if not self._wake_tx.closed:   # (closed: the worker is closing; a load ending now wakes no one)
+                self._wake_tx.send(b"")
 
     def _model_event(self, model: str, event: str, load_ms: float, nbytes: int, frames_per_s: float) -> None:
         self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
@@ -128,6 +129,8 @@ class InferenceWorker:
 
     def close(self) -> None:
         self._device_thread.shutdown(wait=True)   # NOTE: a step in flight ends before its sessions close
+        with self._wake_lock:   # a load may still end on the load thread (the registry does not wait for it)
+            self._wake_tx.close(linger=0)
         self.registry.close()
         self.registry.device.unpin_all()   # NOTE: before the rings unmap what it pinned
         for ring in (self.inputs, self.outputs):
