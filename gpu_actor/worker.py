@@ -158,7 +158,8 @@ class InferenceWorker:
             return 0
         if self._next is None and not self._blocked and self._runnable() is not None:
             return 0
-        return IDLE_TICK_MS if self._flight is not None or self._next is None else 0
+        # (a step prepared while the device thread is free never waits here: `_advance` started it)
+        return IDLE_TICK_MS
 
     def _drain(self, events) -> None:
         ready = dict(events)
