@@ -150,6 +150,18 @@ def test_restarted_writer_frees_slots_and_invalidates_handles(ring):
         successor.close()
 
 
+def test_a_restarted_peers_requests_are_freed_by_their_ids_and_no_others(ring):
+    """ResetRequests: the slots of the requests below the new peer's first id go (but those a step still
+    writes, `keep`); a slot the new peer's request holds stays held, and its handle stays good."""
+    old, running, new = (ring.try_acquire(request_id=req) for req in (5, 6, 900))
+    ref = ring.ref(new, 0, "uint8", (1,))
+    assert ring.release_below(900, keep={6}) == 1
+    assert [ring.state(s) for s in (old, running, new)] == [SlotState.FREE, SlotState.WRITING, SlotState.PUBLISHED]
+    ring.verify(ref)
+    assert ring.held(900) == new and ring.held(5) is None
+    assert ring.release_below(900) == 1 and ring.slots_in_use() == 1
+
+
 def test_attacher_exit_does_not_unlink(shm_name):
     ring = SlotRing.create(RingSpec.for_bytes(shm_name, 1, 64))
     try:
