@@ -154,7 +154,7 @@ def child_main(role: str, index: int, run: RunSpec, build: Callable[[zmq.Context
         signal.signal(signal.SIGTERM, lambda *_: actor.stop())
         supervisor.send(pack(Ready(role=role, index=index, pid=os.getpid(), device=actor.device,
                                    state=getattr(actor, "ready_state", ProcState.READY),
-                                   first_req=getattr(getattr(actor, "engine", None), "first_id", 0))))
+                                   first_req=getattr(actor, "first_req", 0))))
         actor.run()
     except BaseException as err:
         if not isinstance(err, (KeyboardInterrupt, SystemExit)):

@@ -43,6 +43,7 @@ class Shell:
 
     def __init__(self, engine: Scheduler, to_gpu: Sequence, input_rings: Sequence[SlotRing], shutdown_timeout_s: float):
         self.engine, self.to_gpu, self.input_rings = engine, to_gpu, input_rings
+        self.first_req = engine.first_id   # what the supervisor is told at start (shm/messages Ready)
         self.shutdown_timeout_s = shutdown_timeout_s
         self.draining = False
         self._drain_until = float("inf")
