@@ -71,6 +71,13 @@ def main() -> int:
                              "number of sessions asked for at once (each asks again on busy, as told, for 10 s), on a "
                              "fresh server; how many got in and how they fared")
     parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
+    parser.add_argument("--split-edges", type=_counts, default=(1,),
+                        help="sessions bench: the edge + GPU host level once per count of edges, all on this host, "
+                             "its sessions spread over them (default 1)")
+    parser.add_argument("--split-sessions", type=int, default=10, help="sessions bench: that level's sessions (default 10)")
+    parser.add_argument("--split-pcm", action="store_true",
+                        help="sessions bench: that level's sessions speak 16 kHz PCM in 20-ms chunks (default: audio "
+                             "windows)")
     parser.add_argument("--no-shed", action="store_true",
                         help="sessions and gpu benches: sessions.shed_speech off (every session misses alike past "
                              "capacity)")
@@ -169,7 +176,8 @@ def main() -> int:
             results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, pcm_levels,
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
-                                               shed=not args.no_shed)
+                                               shed=not args.no_shed, split_edges=args.split_edges,
+                                               split_sessions=args.split_sessions, split_pcm=args.split_pcm)
     if args.what in ("all", "transport"):
         from bench import transport
         mix = [(n, round(n * transport.SPEAKING_SHARE)) for n in levels] + [(n, 0) for n in args.silent]

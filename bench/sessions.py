@@ -13,6 +13,7 @@ Audio is sent in real time, one frame's window per frame period while a session 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -122,14 +123,17 @@ async def _session(endpoint: str, seconds: float, duty: float, burst_s: float, s
             await reply
         stats = await s.close()
         reader.cancel()
-        return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9), "busy": refusals}
+        return {**stats, "bytes_per_s": received[0] / max(received[2] - received[1], 1e-9), "busy": refusals,
+                "endpoint": endpoint}
 
 
-async def _level(endpoint: str, n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",
+async def _level(endpoint: str | tuple[str, ...], n: int, seconds: float, duty: float, pcm=None, fmt: str = "jpeg",
                  tts: bool = False, admit_s: float = 0.0, models: tuple[str, ...] = ("avatar",)) -> list[dict]:
-    """n sessions, session i on models[i % len(models)]."""
-    return await asyncio.gather(*(_session(endpoint, seconds, duty, 3.0, i, pcm, fmt, tts, admit_s,
-                                           models[i % len(models)]) for i in range(n)))
+    """n sessions, session i on models[i % len(models)] and, given several endpoints, on endpoint[i % their
+    count]."""
+    endpoints = (endpoint,) if isinstance(endpoint, str) else endpoint
+    return await asyncio.gather(*(_session(endpoints[i % len(endpoints)], seconds, duty, 3.0, i, pcm, fmt, tts,
+                                           admit_s, models[i % len(models)]) for i in range(n)))
 
 
 def _pcm_costs(encoder_path: Path, speech: np.ndarray) -> dict:
@@ -270,40 +274,104 @@ def _settings(fmt: str, budget_ms: int, admission: bool = False, shed: bool = Tr
 
 
 def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str = "jpeg",
-              budget_ms: int = 280) -> dict:
-    """One speaking level through an edge (frontend + compositing) and a GPU host (inference + bridge)
-    over loopback with CURVE, both on this machine: the CPU figures are the edge's processes (its
-    `gpu0` is the bridge client), the GPU host's are printed beside them."""
+              budget_ms: int = 280, edges: tuple[int, ...] = (1,), pcm: bool = False) -> dict:
+    """One speaking level through edges (frontend + compositing) and a GPU host (inference + bridge)
+    over loopback with CURVE, all on this machine, once per count in `edges`: the sessions spread over
+    that many edges (session i on edge i % count), as a host whose one frontend process is its limit
+    would run more of them in front of its own card. `pcm`: 16 kHz PCM in 20-ms chunks instead of audio
+    windows. Each edge's frontend CPU per frame it sent; the GPU host's bridge and worker CPU per
+    speech frame."""
     from tests.helpers import bridge_configs, bridge_keys, free_port, gpu_host
     root = Path(tempfile.mkdtemp(prefix="lsync-split-"))
+    results = []
     try:
         models = _models(Path(demo_dir), root)
-        gpu_cfg, edge_cfg = bridge_configs(models, bridge_keys(root / "keys"), free_port(), "lsbsplit",
-                                           **_settings(fmt, budget_ms))
-        with gpu_host(root, gpu_cfg) as (host, _), run_server(root, edge_cfg, role="edge") as edge:
-            deadline = time.monotonic() + 60
-            while edge.health()["status"] != "ready":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the edge never saw its GPU host ready")
-                time.sleep(0.2)
-            if fmt == "h264":
-                asyncio.run(_level(edge.endpoint, 4, 4.0, 0.5, None, fmt))
-            gpu_procs = [host.pid] + [c.pid for c in psutil.Process(host.pid).children(recursive=True)]
-            gpu_before, t0 = sum(sum(psutil.Process(p).cpu_times()[:2]) for p in gpu_procs), time.monotonic()
-            result = _run_level(edge, sessions, seconds, 0.27, fmt=fmt)
-            gpu_after = sum(sum(psutil.Process(p).cpu_times()[:2]) for p in gpu_procs)
-            result["split"] = True
-            result["gpu_host_cpu_percent"] = round(100 * (gpu_after - gpu_before) / (time.monotonic() - t0))
-            print(f"  through an edge + GPU host (GPU host processes: {result['gpu_host_cpu_percent']}% CPU):")
-            _print(result)
+        keys, port = bridge_keys(root / "keys"), free_port()
+        speech = read_wav(str(write_speech(root / "speech.wav", seconds=4.0))) if pcm else None
+        for count in edges:
+            configs = [bridge_configs(models, keys, port, f"lsbsplit{k}", **_settings(fmt, budget_ms))
+                       for k in range(count)]
+            with gpu_host(root, configs[0][0]) as (host, _), contextlib.ExitStack() as stack:
+                servers = [stack.enter_context(run_server(root, edge_cfg, role="edge")) for _, edge_cfg in configs]
+                for edge in servers:
+                    _wait_host_ready(edge)
+                    if fmt == "h264":   # the idle loop is encoded once per edge: not measured
+                        asyncio.run(_level(edge.endpoint, 4, 4.0, 0.5, None, fmt))
+                host_pids = {name.removeprefix("lsync-"): c.pid for c in psutil.Process(host.pid).children(recursive=True)
+                             if (name := c.name()).startswith("lsync-")}   # (not multiprocessing's helpers)
+                results.append(_run_split_level(servers, host_pids, sessions, seconds, speech, fmt))
+            _print_split(results[-1])
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return result
+    return {"levels": results}
+
+
+def _wait_host_ready(edge, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while edge.health()["status"] != "ready":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the edge never saw its GPU host ready")
+        time.sleep(0.2)
+
+
+def _run_split_level(edges: list, host: dict[str, int], n: int, seconds: float, pcm=None, fmt: str = "jpeg") -> dict:
+    """n sessions, 27% speaking, spread over `edges`; each process's CPU: the edges' as e<k>.<role><i>, the
+    GPU host's as host.<role><i>."""
+    pids = {f"e{k}.{name}": pid for k, srv in enumerate(edges) for name, pid in server_pids(srv).items()}
+    pids.update({f"host.{name}": pid for name, pid in host.items()})
+    pids["bench client"] = os.getpid()
+    cpu = CpuSampler(pids)
+    cpu.start()
+    try:
+        stats = asyncio.run(_level(tuple(e.endpoint for e in edges), n, seconds, 0.27, pcm, fmt))
+    finally:
+        cpu.stop()
+    used = cpu.result()
+    wall = cpu.samples[-1][0] - cpu.samples[0][0]
+    count = len(edges)
+    frames = [sum(s["frames_speech"] + s["frames_idle"] for s in stats if s["endpoint"] == e.endpoint) for e in edges]
+    speech = sum(s["frames_speech"] for s in stats)
+    missed = sum(s["missed"] for s in stats)
+    late = sum(s["late"] for s in stats)
+    p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
+
+    def per(name: str, what: int) -> Optional[float]:
+        return 1e4 * used[name]["cpu"] * wall / max(what, 1) if name in used else None
+
+    return {"edges": count, "sessions": n, "pcm": pcm is not None, "format": fmt, "frames": sum(frames),
+            "frames_per_edge": frames,
+            "speech": speech, "missed": missed, "missed_share": missed / max(missed + speech, 1),
+            "late": late, "on_time": 1 - late / max(sum(frames), 1), "dropped": sum(s["dropped"] for s in stats),
+            "latency_p99_ms": max(p99) if p99 else None, "stages_ms": _stages(stats),
+            "frontend_us_per_frame": [per(f"e{k}.frontend0", frames[k]) for k in range(count)],
+            "host_us_per_speech_frame": {name.removeprefix("host."): per(name, speech)
+                                         for name in pids if name.startswith("host.")},
+            "cpu_percent": {k: round(v["cpu"]) for k, v in used.items() if k != "machine"},
+            "machine": used["machine"]}
+
+
+def _print_split(r: dict) -> None:
+    audio = "16 kHz PCM, 20-ms chunks in real time" if r["pcm"] else "audio windows"
+    host = ", ".join(f"{name} {us:.0f}" for name, us in r["host_us_per_speech_frame"].items() if us is not None)
+    print(f"  through {r['edges']} edge(s) + a GPU host, {r['sessions']} sessions speaking 27% ({audio}): "
+          f"{r['frames']} frames ({r['speech']} speech), {100 * r['on_time']:.2f}% on time, late {r['late']}, "
+          f"missed {r['missed']} ({100 * r['missed_share']:.1f}% of speech), dropped {r['dropped']}, speech latency "
+          f"p99 {r['latency_p99_ms']} ms\n"
+          f"        each edge's frontend, us of CPU per frame it sent: "
+          + ", ".join(f"{us:.0f}" for us in r["frontend_us_per_frame"])
+          + f"; the GPU host's processes, us of CPU per speech frame: {host}\n"
+          f"        CPU, % of one core over the run: "
+          + ", ".join(f"{name} {v}%" for name, v in r["cpu_percent"].items())
+          + f"; machine {r['machine']['cpu']:.0f}% of {100 * r['machine']['cores']}%", flush=True)
+    if r.get("stages_ms"):
+        print("        speech frame stages, ms p50/p99/max: " + ", ".join(
+            f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}" for name, v in r["stages_ms"].items()), flush=True)
 
 
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
         pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280, split: bool = True,
-        profile: Optional[Path] = None, native: bool = False, shed: bool = True) -> dict:
+        profile: Optional[Path] = None, native: bool = False, shed: bool = True, split_edges: tuple[int, ...] = (1,),
+        split_sessions: int = 10, split_pcm: bool = False) -> dict:
     """Each level on one server; `profile`: a directory for a py-spy recording of the frontend per level
     (`native`: with C frames, pausing the process per sample)."""
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
@@ -327,7 +395,8 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
                 _pcm_levels(srv, root, models, seconds, pcm_speaking, results, port, profile, native)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"levels": results, "split": run_split(demo_dir, seconds, fmt=fmt, budget_ms=budget_ms) if split else None}
+    return {"levels": results, "split": run_split(demo_dir, seconds, split_sessions, fmt=fmt, budget_ms=budget_ms,
+                                                  edges=split_edges, pcm=split_pcm) if split else None}
 
 
 def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str = "h264", budget_ms: int = 280,
