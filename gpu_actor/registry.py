@@ -92,7 +92,8 @@ class Registry:
         self.loading: dict[str, cf.Future] = {}
         self.stats: dict[str, ModelStats] = {}
         self.busy: Counter[str] = Counter()   # tasks queued or running, per model
-        self.pins: Counter[str] = Counter()   # live sessions that need the model here: never evicted
+        # per model, the request ids that pinned it: live sessions that need it here (never evicted)
+        self.pins: dict[str, list[int]] = {}
         self._unload_when_loaded: set[str] = set()   # unloaded while its load was running
         self._prepared_more = False   # set by the background thread: an N-model form became ready
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="model-load", initializer=self.device.bind_thread)
@@ -111,7 +112,7 @@ class Registry:
         self.loaded.clear()
 
     def _held(self, model: str) -> bool:
-        return bool(self.busy[model] or self.pins[model])
+        return bool(self.busy[model] or self.pins.get(model))
 
     def queued(self, model: str) -> None:
         """A task for `model` came: it is held (never evicted) until `finished`."""
@@ -120,12 +121,33 @@ class Registry:
     def finished(self, model: str) -> None:
         self.busy[model] -= 1
 
-    def pin(self, model: str) -> None:
-        """A live session needs `model` here: held until as many `unpin`s."""
-        self.pins[model] += 1
+    def pin(self, model: str, req: int = 0) -> None:
+        """A live session needs `model` here (pinned by request `req`): held until as many `unpin`s, or
+        until the process that pinned it restarts (`drop_pins_below`)."""
+        self.pins.setdefault(model, []).append(req)
 
     def unpin(self, model: str) -> None:
-        self.pins[model] = max(self.pins[model] - 1, 0)
+        reqs = self.pins.get(model)
+        if reqs:
+            reqs.pop()
+            if not reqs:
+                del self.pins[model]
+
+    def drop_pins_below(self, floor: int) -> int:
+        """The pins of a frontend (or bridge) that restarted, those by request ids below `floor`: their
+        sessions went with it and no one will unpin them. Models over the caps that they held are
+        evicted now. How many pins went."""
+        dropped = 0
+        for model in list(self.pins):
+            kept = [req for req in self.pins[model] if req >= floor]
+            dropped += len(self.pins[model]) - len(kept)
+            if kept:
+                self.pins[model] = kept
+            else:
+                del self.pins[model]
+        if dropped:
+            self._make_room(extra=0)
+        return dropped
 
     def stat(self, model: str) -> ModelStats:
         return self.stats.setdefault(model, ModelStats())

@@ -216,8 +216,12 @@ class InferenceWorker:
     def _reset(self, msg: ResetRequests) -> None:
         """The frontend restarted: its predecessor's requests (ids below `msg.floor`) go unanswered, their
         slots freed. Those a step holds (prepared or running: the device thread may still write their
-        slots) fail as their step starts or comes back, unanswered; their slots are freed then."""
+        slots) fail as their step starts or comes back, unanswered; their slots are freed then. Its live
+        sessions' pins go too: the sessions went with it."""
         self._floor = max(self._floor, msg.floor)
+        dropped = self.registry.drop_pins_below(msg.floor)
+        if dropped:
+            log.info("released %d live session pin(s) of the frontend that restarted", dropped)
         for task in [t for t in self.queue if t.req < msg.floor]:
             self.queue.remove(task)
             self.registry.finished(task.model)
@@ -237,7 +241,7 @@ class InferenceWorker:
             self.registry.unpin(msg.model)
             return
         if msg.pin > 0:
-            self.registry.pin(msg.model)
+            self.registry.pin(msg.model, msg.req)
         if msg.model in self.registry.loaded:
             self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
                                                 load_ms=self.registry.stat(msg.model).load_ms)))

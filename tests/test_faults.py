@@ -363,3 +363,34 @@ def test_probes_through_a_servers_life_starting_ready_degraded_draining(models, 
         assert _probe(port, "/healthz")[0] == 200
         burst.join(60)
         srv.proc.wait(60)
+
+
+def test_a_dead_frontends_live_sessions_leave_no_pin_behind(tmp_path, models):
+    """A live session pins its model on its worker: never evicted while the session is open. A frontend
+    killed with a session open takes the session with it: the worker drops the pin, and with room for
+    one model the next model's load evicts the session's (before, it stayed pinned for good: the
+    worker held two models past its cap of one, and held them until it restarted)."""
+    from lipsync_client import Session
+    cfg = base_config(models, **{"inference.max_models_per_worker": 1})
+    with run_server(tmp_path, cfg) as srv, srv.client() as c:
+        def loaded() -> list:
+            return c.stats()["workers"][0]["loaded"]
+
+        s = Session(srv.endpoint, "fast", timeout_s=5)
+        deadline = time.monotonic() + 30
+        while loaded() != ["fast"]:   # the session loads (and pins) its model at open
+            assert time.monotonic() < deadline, "the session's model was never loaded"
+            time.sleep(0.2)
+        old = srv.pids("frontend")[0]
+        os.kill(old, signal.SIGKILL)
+        srv.restarted("frontend", old)
+        s.__exit__(None, None, None)   # (its close goes to the new frontend: an unknown session there)
+        deadline = time.monotonic() + 30
+        while True:   # (the worker reads the supervisor's reset beside the new frontend's work)
+            header, _ = c.composite("slow", AUDIO)
+            assert header["ok"]
+            if loaded() == ["slow"]:
+                break
+            assert time.monotonic() < deadline, f"the dead frontend's session still pins its model: {loaded()}"
+            c.unload("slow")
+            time.sleep(0.2)
