@@ -82,7 +82,7 @@ class StatsQuery(_Msg):
 class ResetRequests(_Msg):
     """The frontend (or a GPU host's bridge) restarted: every request its predecessor sent, those whose ids
     are below `floor` (the new one's first id: frontend/core/shell.first_request_id), is gone: drop them,
-    free their slots, answer none of them. Requests at or above `floor` are the new one's, even those that
+    free their slots, answer none of them, and drop the live session pins they made. Requests at or above `floor` are the new one's, even those that
     came before this message (it comes from the supervisor, not down the same socket)."""
 
     floor: Count
