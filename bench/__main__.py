@@ -71,6 +71,9 @@ def main() -> int:
                              "number of sessions asked for at once (each asks again on busy, as told, for 10 s), on a "
                              "fresh server; how many got in and how they fared")
     parser.add_argument("--no-split", action="store_true", help="sessions bench: skip the edge + GPU host level")
+    parser.add_argument("--frontends", type=int, default=1,
+                        help="sessions and gpu benches: the server's client-facing processes (frontend.processes; "
+                             "default 1)")
     parser.add_argument("--split-edges", type=_counts, default=(1,),
                         help="sessions bench: the edge + GPU host level once per count of edges, all on this host, "
                              "its sessions spread over them (default 1)")
@@ -140,7 +143,8 @@ def main() -> int:
                                        args.budget_ms, variants=args.variants, pcm_levels=args.pcm_levels,
                                        live_s=args.live_s, budget_s=args.budget_s,
                                        avatar_levels=args.avatar_levels, speaking_share=args.speaking_share,
-                                       shed=not args.no_shed, sections=args.sections, profile=args.profile)
+                                       shed=not args.no_shed, sections=args.sections, profile=args.profile,
+                                       frontends=args.frontends)
         except ValueError as err:
             parser.error(str(err))
     levels = args.levels if args.levels is not None else (10, 20, 30, 40)
@@ -177,7 +181,8 @@ def main() -> int:
                                                fmt=args.format, budget_ms=args.budget_ms, split=not args.no_split,
                                                profile=args.profile, native=args.profile_native,
                                                shed=not args.no_shed, split_edges=args.split_edges,
-                                               split_sessions=args.split_sessions, split_pcm=args.split_pcm)
+                                               split_sessions=args.split_sessions, split_pcm=args.split_pcm,
+                                               frontends=args.frontends)
     if args.what in ("all", "transport"):
         from bench import transport
         mix = [(n, round(n * transport.SPEAKING_SHARE)) for n in levels] + [(n, 0) for n in args.silent]

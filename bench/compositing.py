@@ -64,7 +64,7 @@ class CompositingProcess:
         run = RunSpec(prefix, self.run_dir, endpoints, (), (spec,), self.store.spec, (), (self.images.spec,))
         self.ctx = zmq.Context()
         supervisor = make_socket(self.ctx, zmq.PULL, bind=endpoints.supervisor)
-        self.inbox = make_socket(self.ctx, zmq.PULL, bind=endpoints.frontend)
+        self.inbox = make_socket(self.ctx, zmq.PULL, bind=endpoints.frontend[0])
         self.to_cpu = make_socket(self.ctx, zmq.PUSH, connect=endpoints.cpu[0])
         self.proc = mp.get_context("spawn").Process(target=run_cpu_process, args=(config, run, 0))
         self.proc.start()

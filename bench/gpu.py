@@ -80,6 +80,7 @@ class GpuBenchOptions:
     budget_s: Optional[float] = None        # the whole run; None: no limit
     sections: tuple[str, ...] = ()          # only these (SECTIONS; served_<variant>); (): every one
     profile: Optional[Path] = None          # py-spy recordings of the frontend and inference per live level
+    frontends: int = 1                      # frontend.processes
 
 
 def options(device: str = "auto", model: str = "unet328", max_batch: Optional[int] = None,
@@ -89,7 +90,7 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
             pcm_levels: Optional[tuple[int, ...]] = None, live_s: Optional[float] = None,
             budget_s: Optional[float] = None, avatar_levels: Optional[tuple[int, ...]] = None,
             speaking_share: float = 0.27, shed: bool = True, sections: tuple[str, ...] = (),
-            profile: Optional[Path] = None) -> GpuBenchOptions:
+            profile: Optional[Path] = None, frontends: int = 1) -> GpuBenchOptions:
     """The bench's settings, each one not given at its default for the device: large on a GPU, a few
     seconds' worth on the CPU provider. ValueError for a variant the device does not run."""
     device = pick_device(device)
@@ -114,7 +115,8 @@ def options(device: str = "auto", model: str = "unet328", max_batch: Optional[in
                            variants=tuple(dict.fromkeys(variants)), pcm_levels=pick(pcm_levels, (48, 150), (1,)),
                            avatar_levels=pick(avatar_levels, (48, 150), (2,)),
                            live_s=live_s if live_s is not None else seconds, budget_s=budget_s,
-                           speaking_share=speaking_share, shed=shed, sections=tuple(sections), profile=profile)
+                           speaking_share=speaking_share, shed=shed, sections=tuple(sections), profile=profile,
+                           frontends=frontends)
 
 
 def check_variants(variants: tuple[str, ...], gpu_path: bool) -> None:
@@ -356,7 +358,8 @@ def _config(models: Path, o: GpuBenchOptions, metrics_port: int, variant: str) -
     from bench.sessions import _settings
     from tests.helpers import base_config
     return base_config(models, **{
-        **_settings("jpeg", o.budget_ms, shed=o.shed), "compositing.cache_bytes": store_bytes(models, o),
+        **_settings("jpeg", o.budget_ms, shed=o.shed, frontends=o.frontends),
+        "compositing.cache_bytes": store_bytes(models, o),
         "limits.max_batch": o.max_batch, "limits.request_timeout_s": 600,
         "inference.devices": [cuda_id(o.device)] if is_gpu(o.device) else CPU,
         "inference.intra_op_threads": 0, "inference.max_models_per_worker": o.max_models + o.avatars + 8,
@@ -455,13 +458,13 @@ def _summary(results: dict, budget: Budget) -> None:
 def _sections(r: SectionRunner, root: Path, demo: Path, o: GpuBenchOptions, env: Optional[dict],
               sizes: tuple[int, ...]) -> None:
     """Every section in the order of its value (the module docstring)."""
-    from tests.helpers import free_port
+    from tests.helpers import free_ports
     batches = served_batches(sizes, o.max_batch)
     first, results, costs = o.variants[0], r.results, priors(o, sizes)
     models = root / "models"
     models.mkdir()
     avatar(models, "avatar", demo, _written(o.model, 0), encoder=True)
-    port = free_port()
+    port = free_ports(o.frontends)
     main = LazyServer(root, _config(models, o, port, first), env)
     r.servers.append(main)
     n, a = len(sizes), None
@@ -605,10 +608,10 @@ def _variant_sections(r: SectionRunner, root: Path, models: Path, o: GpuBenchOpt
                       costs: Costs, sizes: tuple[int, ...], batches: tuple[int, ...], a: Optional[dict],
                       served_s: Callable[[], float]) -> None:
     """Served infer of each further variant, each on a server of its own; then every variant against the anchor."""
-    from tests.helpers import free_port
+    from tests.helpers import free_ports
     first = o.variants[0]
     for v in o.variants[1:]:
-        server = LazyServer(root, _config(models, o, free_port(), v), env)
+        server = LazyServer(root, _config(models, o, free_ports(o.frontends), v), env)
         r.servers.append(server)
         probes = FP16_PROBES * costs.local_first_call_s if v.startswith("fp16") else 0.0
         r.section(_served_name(v, first), _served_heading(v, o.seconds, own_server=True),

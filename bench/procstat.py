@@ -28,8 +28,19 @@ SATURATED = 90.0   # % of one core: a thread this busy has no headroom left
 
 
 def server_pids(srv) -> dict[str, int]:
-    """A running server's processes by role and index ("frontend0", "gpu0", "cpu1", ...): their pids."""
-    return {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+    """A running server's processes by role and index ("frontend0", "gpu0", "cpu1", ...): their pids. With
+    several client-facing processes (frontend.processes) a health answer names the one that gave it: the
+    others are found by their process names."""
+    import psutil
+    pids = {f"{p['role']}{p['index']}": p["pid"] for p in srv.health()["processes"]}
+    for child in psutil.Process(srv.proc.pid).children():
+        try:
+            name = child.name()
+        except psutil.Error:
+            continue
+        if name.startswith("lsync-frontend"):
+            pids[name.removeprefix("lsync-")] = child.pid
+    return pids
 
 
 def _schedstat(pid: int) -> dict[int, tuple[int, int]]:

@@ -31,7 +31,7 @@ from lipsync_client import AsyncSession, ServerError
 from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
 from config.audio import write_speech
-from tests.helpers import base_config, free_port, run_server
+from tests.helpers import base_config, free_port, free_ports, run_server
 
 FPS = 25.0
 MAX_IN_FLIGHT = 16   # a session's audio chunks sent and not yet answered
@@ -184,7 +184,9 @@ def _run_level(srv, n: int, seconds: float, duty: float, pcm=None, fmt: str = "j
     late = sum(s["late"] for s in stats)
     p99 = [s["latency_ms_p99"] for s in stats if s["latency_ms_p99"] is not None]
     wall = cpu.samples[-1][0] - cpu.samples[0][0]
-    frontend = used["frontend0"]
+    # (several client-facing processes: all of them together; their event loops' threads summed)
+    fronts = [v for k, v in used.items() if k.startswith("frontend")]
+    frontend = {"cpu": sum(v["cpu"] for v in fronts), "thread_cpu": sum(v["thread_cpu"] for v in fronts)}
     result = {"sessions": len(stats), "asked": n, "refused": len(refused),
               "busy_answers": sum(st["busy"] for st in stats + refused),
               "duty": duty, "pcm": pcm is not None, "tts": tts, "frames": frames,
@@ -260,7 +262,7 @@ def _sum_counts(dicts) -> dict:
     return total
 
 
-def _settings(fmt: str, budget_ms: int, admission: bool = False, shed: bool = True) -> dict:
+def _settings(fmt: str, budget_ms: int, admission: bool = False, shed: bool = True, frontends: int = 1) -> dict:
     # NOTE: admission by load off (sessions.max_cpu_load 0) unless asked for: a server in service answers
     # `busy` before its cliff, and the bench measures where that cliff is
     # (with admission: its sessions speak 27 % of the time, and the server is told so)
@@ -270,7 +272,7 @@ def _settings(fmt: str, budget_ms: int, admission: bool = False, shed: bool = Tr
             "limits.max_batch": 24,
             "compositing.max_frame_width": 1280, "compositing.max_frame_height": 720,
             "compositing.cache_bytes": 512 << 20, "compositing.workers": 2 if fmt == "h264" else "auto",
-            "limits.queue_depth": 256, "shm.slots": 4}
+            "limits.queue_depth": 256, "shm.slots": 4, "frontend.processes": frontends}
 
 
 def run_split(demo_dir: str, seconds: float = 10.0, sessions: int = 10, fmt: str = "jpeg",
@@ -371,14 +373,14 @@ def _print_split(r: dict) -> None:
 def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=(100, 200, 300),
         pcm_speaking=(10, 20), fmt: str = "jpeg", budget_ms: int = 280, split: bool = True,
         profile: Optional[Path] = None, native: bool = False, shed: bool = True, split_edges: tuple[int, ...] = (1,),
-        split_sessions: int = 10, split_pcm: bool = False) -> dict:
+        split_sessions: int = 10, split_pcm: bool = False, frontends: int = 1) -> dict:
     """Each level on one server; `profile`: a directory for a py-spy recording of the frontend per level
     (`native`: with C frames, pausing the process per sample)."""
     root = Path(tempfile.mkdtemp(prefix="lsync-sessions-"))
     try:
         models = _models(Path(demo_dir), root)
-        port = free_port()
-        cfg = base_config(models, **_settings(fmt, budget_ms, shed=shed), **{"metrics.port": port})
+        port = free_ports(frontends)
+        cfg = base_config(models, **_settings(fmt, budget_ms, shed=shed, frontends=frontends), **{"metrics.port": port})
         results = []
         with run_server(root, cfg) as srv:
             if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured

@@ -169,7 +169,24 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Co
     except msgspec.ValidationError as err:
         raise ConfigError(_format_error(source, data, err)) from None
     _check_bridge_keys(config, source)
+    _check_frontend_processes(config, source)
     return config
+
+
+def _check_frontend_processes(config: Config, source: str) -> None:
+    """Several client-facing processes share each bind through SO_REUSEPORT, which TCP has and ipc
+    sockets do not."""
+    f = config.frontend
+    if f.processes > 1:
+        other = next((e for e in f.bind if not e.startswith("tcp://") or e.rsplit(":", 1)[-1] in ("0", "*")), None)
+        if other is not None:
+            raise ConfigError(f"{source}: frontend.processes: {f.processes} processes share each bind endpoint, "
+                              f"which only tcp:// endpoints of a fixed port allow; {other!r} is not one (bind tcp://HOST:PORT, or "
+                              "set frontend.processes: 1)")
+        if config.viewer.port and config.viewer.public_url:
+            raise ConfigError(f"{source}: viewer.public_url: one address for the viewers of {f.processes} processes, "
+                              "each of which serves its own sessions' viewers on viewer.port + i: leave public_url unset "
+                              "(or set frontend.processes: 1)")
 
 
 def _without_retired(data: dict, source: str) -> dict:

@@ -43,6 +43,7 @@ class FrontendConfig(_Section):
     bind: tuple[Endpoint, ...] = ("tcp://127.0.0.1:5555",)
     routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     curve: Optional[CurveConfig] = None
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1   # client-facing processes sharing the binds
 
 
 class BridgeHost(_Section):

@@ -31,9 +31,10 @@ from cpu_actor.h264 import MAX_SESSION_FPS, Encoders, KeptBoxes, apply_box, enco
 from cpu_actor.jpeg import RowSplicer
 from shm.child import child_main
 from shm.codes import ErrorCode
-from shm.endpoints import RunSpec, make_socket
+from shm.endpoints import Owners, RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, CompositeTask, EncodeFrames, EncodeLoop, EncodeSession,
                           ReleaseImages, RenderIdle, ResetRequests, pack, unpack)
+from shm.requests import Floors, same_owner_below
 from shm.ring import RingError, RingFull, SlotRing, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
@@ -47,14 +48,14 @@ class Compositor:
         # NOTE: the pool of processes is the parallelism; cv2's own threads would oversubscribe cores.
         cv2.setNumThreads(1)
         self.tasks = make_socket(ctx, zmq.PULL, bind=run.endpoints.cpu[index])
-        self.to_frontend = make_socket(ctx, zmq.PUSH, connect=run.endpoints.frontend)
+        self.to_frontend = Owners(ctx, run.endpoints.frontend)
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
         self.images = SlotRing.attach(run.image_rings[index], populate=False)
         self.images.become_writer()
         # CompositeTask, RenderIdle, EncodeFrames: the one due soonest first (a live frame's due time,
         # else the deadline; in arrival order among equals, which keeps a session's encodes in order).
         self.queue: list[tuple[float, int, object]] = []
-        self._floor = 0   # request ids below it are a dead frontend's (ResetRequests)
+        self._floors = Floors()   # a dead frontend's request ids (ResetRequests)
         self._arrivals = itertools.count()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
@@ -119,7 +120,7 @@ class Compositor:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
-            if msg.req < self._floor:   # a dead frontend's, read after the reset
+            if self._floors.gone(msg.req):   # a dead frontend's, read after the reset
                 return
             due = msg.due or msg.deadline   # batch work and idle renders without a live frame: their deadline
             heapq.heappush(self.queue, (due, next(self._arrivals), msg))
@@ -131,8 +132,8 @@ class Compositor:
         elif isinstance(msg, ReleaseImages):
             self.images.release_request(msg.req)
         elif isinstance(msg, ResetRequests):   # a new frontend: its predecessor's requests are gone
-            self._floor = max(self._floor, msg.floor)
-            self.queue = [entry for entry in self.queue if entry[2].req >= msg.floor]
+            self._floors.raise_to(msg.floor)
+            self.queue = [entry for entry in self.queue if not same_owner_below(entry[2].req, msg.floor)]
             heapq.heapify(self.queue)
             self.images.release_below(msg.floor)
 
@@ -161,7 +162,7 @@ class Compositor:
     def _reply(self, task: CompositeTask, frames=(), **fields) -> None:
         header = CompositeDone(req=task.req, compositor=self.index, start=task.start, end=task.end,
                                ok=not fields.get("code"), **fields)
-        self.to_frontend.send_multipart([pack(header), *frames], copy=False)
+        self.to_frontend.send_multipart(header.req, [pack(header), *frames], copy=False)
 
     def _composite(self, task: CompositeTask) -> None:
         t0 = time.perf_counter()
@@ -249,17 +250,17 @@ class Compositor:
                 encoded.append(encode_image(background, task.format, task.quality))
         except (AssetError, StoreError) as err:
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.BAD_REQUEST, message=str(err))
-            self.to_frontend.send(pack(reply))
+            self.to_frontend.send(reply.req, pack(reply))
             return
         except Exception as err:  # never fatal: this request fails, the process serves on
             log.exception("encoding idle frames of model %s failed", task.model)
             reply = msgspec.structs.replace(reply, ok=False, code=ErrorCode.INTERNAL,
                                             message=f"{type(err).__name__}: {err}")
-            self.to_frontend.send(pack(reply))
+            self.to_frontend.send(reply.req, pack(reply))
             return
         reply = msgspec.structs.replace(reply, composite_ms=(time.perf_counter() - t0) * 1000, width=assets.width,
                                         height=assets.height, hits=hits, misses=len(task.frames) - hits)
-        self.to_frontend.send_multipart([pack(reply), *encoded], copy=False)
+        self.to_frontend.send_multipart(reply.req, [pack(reply), *encoded], copy=False)
 
     def _i420(self, assets, frame: int, scratch: bool = False):
         """(I420 background copy, crop copy, hit): converted once per frame, kept in the shared store.
@@ -297,7 +298,7 @@ class Compositor:
                     log.exception("encoding a frame of session %s failed", part.session)
                 lost[i] = f"encoding H.264 for model {part.model}: {err}"
                 units += [b""] * len(part.items)
-        self.to_frontend.send_multipart([pack(CompositeDone(
+        self.to_frontend.send_multipart(task.req, [pack(CompositeDone(
             req=task.req, compositor=self.index, start=0, end=len(units), ok=True, lost=lost,
             composite_ms=(time.perf_counter() - t0) * 1000)), *units], copy=False)
 
@@ -331,7 +332,7 @@ class Compositor:
             self.loops.popleft()
             if not isinstance(err, (AssetError, StoreError, ValueError)):
                 log.exception("encoding the idle loop of model %s failed", task.model)
-            self.to_frontend.send(pack(CompositeDone(
+            self.to_frontend.send(task.req, pack(CompositeDone(
                 req=task.req, compositor=self.index, start=0, end=len(task.frames), ok=False,
                 code=ErrorCode.BAD_REQUEST, message=f"encoding the idle loop of model {task.model}: {err}")))
             return
@@ -339,7 +340,7 @@ class Compositor:
             self.loops.popleft()
             done = CompositeDone(req=task.req, compositor=self.index, start=0, end=len(units), ok=True,
                                  width=assets.width, height=assets.height)
-            self.to_frontend.send_multipart([pack(done), *units], copy=False)
+            self.to_frontend.send_multipart(done.req, [pack(done), *units], copy=False)
 
     def _targets(self, task: CompositeTask, height: int, width: int):
         """Raw format: (writable frames in an image slot, their handle); else (None, None)."""

@@ -30,6 +30,7 @@ from gpu_actor.architectures import Architectures
 from gpu_actor.onnx_sessions import out_of_memory
 from gpu_actor.own_session import OwnSessions
 from gpu_actor.runner import Loader, Runner
+from shm.requests import same_owner_below
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +135,12 @@ class Registry:
                 del self.pins[model]
 
     def drop_pins_below(self, floor: int) -> int:
-        """The pins of a frontend (or bridge) that restarted, those by request ids below `floor`: their
+        """The pins of a frontend (or bridge) that restarted, by its predecessor's request ids: their
         sessions went with it and no one will unpin them. Models over the caps that they held are
         evicted now. How many pins went."""
         dropped = 0
         for model in list(self.pins):
-            kept = [req for req in self.pins[model] if req >= floor]
+            kept = [req for req in self.pins[model] if not same_owner_below(req, floor)]
             dropped += len(self.pins[model]) - len(kept)
             if kept:
                 self.pins[model] = kept

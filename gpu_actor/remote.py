@@ -30,11 +30,12 @@ from gpu_actor.discovery import SlotWatcher, parse_dns_device
 from gpu_actor.handoff import acquire_slot, hand_off, route
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
-from shm.endpoints import RunSpec, make_socket, network_socket
+from shm.endpoints import Owners, RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
                           ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, unpack,
                           pack)
-from shm.ring import RingError, SlotRing
+from shm.requests import same_owner_below
+from shm.ring import RingError, SlotRing, SlotRings
 
 log = logging.getLogger(__name__)
 FIRST_RESOLVE_S = 2.0     # a DNS slot waits this long at start for its first answer (then: vacant)
@@ -58,9 +59,9 @@ class RemoteWorker:
         self._server_key = host.server_key
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
-        self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
+        self.to_frontend = Owners(ctx, ep.frontend)
         self.to_cpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in ep.cpu]
-        self.inputs = SlotRing.attach(run.input_rings[index])
+        self.inputs = SlotRings(run.inputs_to(index))   # one per client-facing process
         self.outputs = SlotRing.attach(run.output_rings[index])
         self.outputs.become_writer()
         self._ctx = ctx
@@ -201,7 +202,7 @@ class RemoteWorker:
     def _report(self, state: ProcState) -> None:
         self._next_report = time.monotonic() + 1.0
         device = self.device if self.watcher is None else f"{self.device}={self.endpoint or 'vacant'}"
-        self.to_frontend.send(pack(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
+        self.to_frontend.broadcast(pack(ProcessEvent(role="gpu", index=self.index, pid=os.getpid(), state=state,
                                                 device=device)))
 
     def _from_frontend(self, msg) -> None:
@@ -233,19 +234,19 @@ class RemoteWorker:
 
     def _model_op(self, msg) -> None:   # LoadModel, UnloadModel: the host answers
         if not self._send_host([pack(msg)]):
-            self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
+            self.to_frontend.send(msg.req, pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
                                                 code=ErrorCode.UNAVAILABLE,
                                                 message=f"GPU host {self.endpoint} is unreachable")))
 
     def _reset(self, msg: ResetRequests) -> None:
         """The frontend restarted: its predecessor's requests are gone (their answers, when they come, are
         dropped: `pending` no longer has them)."""
-        for req in [req for req in self.pending if req < msg.floor]:
+        for req in [req for req in self.pending if same_owner_below(req, msg.floor)]:
             del self.pending[req]
         self.outputs.release_below(msg.floor)
 
     def _done(self, req: int, code: ErrorCode, message: str) -> None:
-        self.to_frontend.send(pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
+        self.to_frontend.send(req, pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
 
     def _from_host(self, frames: list) -> None:
         msg = unpack(frames[0].buffer)
@@ -271,7 +272,7 @@ class RemoteWorker:
         self._sync_models({m for m in msg.loaded if valid_model_id(m)})
 
     def _to_frontend(self, msg, data: list) -> None:   # LoadDone, StatsReport: as this worker's
-        self.to_frontend.send(pack(msgspec.structs.replace(msg, worker=self.index)))
+        self.to_frontend.send(msg.req, pack(msgspec.structs.replace(msg, worker=self.index)))
 
     def _goodbye(self) -> None:   # after its last replies: the host closes once it has this answer
         self._send_host([pack(Goodbye())])
@@ -281,7 +282,7 @@ class RemoteWorker:
 
     def _sync_models(self, loaded: set[str]) -> None:
         for model, event in [(m, "loaded") for m in loaded - self.loaded] + [(m, "unloaded") for m in self.loaded - loaded]:
-            self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event)))
+            self.to_frontend.broadcast(pack(ModelEvent(worker=self.index, model=model, event=event)))
         self.loaded = loaded
 
     def _infer_done(self, msg: InferDone, data: list) -> None:
@@ -310,7 +311,7 @@ class RemoteWorker:
         else:
             out[...] = mouths.reshape(shape)
         ref = self.outputs.ref(slot, 0, "float32", shape)
-        self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
+        self.to_frontend.send(task.req, pack(InferDone(req=task.req, worker=self.index, ok=True, output=None if task.plan else ref,
                                              queue_ms=msg.queue_ms, inference_ms=msg.inference_ms,
                                              input_ms=msg.input_ms)))
         hand_off(self.to_cpu, task, self.index, ref)

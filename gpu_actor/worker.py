@@ -37,10 +37,11 @@ from gpu_actor.step import Job, WorkerStep, run_step
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
-from shm.endpoints import RunSpec, make_socket
+from shm.endpoints import Owners, RunSpec, make_socket
 from shm.messages import (InferDone, InferTask, LoadDone, LoadModel, ModelEvent, ReleaseTask,
                           ResetRequests, StatsQuery, StatsReport, StepDone, UnloadModel, pack, unpack)
-from shm.ring import RingError, SlotRing, StaleHandle
+from shm.requests import Floors, same_owner_below
+from shm.ring import RingError, SlotRing, SlotRings, StaleHandle
 from shm.store import BackgroundStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,12 @@ class InferenceWorker:
                               f"{device.name} runs {', '.join(device.precisions)}: set inference.precision: fp32")
         ep = run.endpoints
         self.tasks = make_socket(ctx, zmq.PULL, bind=ep.gpu[index])
-        self.to_frontend = make_socket(ctx, zmq.PUSH, connect=ep.frontend)
+        self.to_frontend = Owners(ctx, ep.frontend)
         self.to_cpu = [make_socket(ctx, zmq.PUSH, connect=addr) for addr in ep.cpu]
         wake_addr = f"inproc://gpu{index}-wake"
         self._wake_rx = make_socket(ctx, zmq.PULL, bind=wake_addr)
         self._wake_tx = make_socket(ctx, zmq.PUSH, connect=wake_addr)
-        self.inputs = SlotRing.attach(run.input_rings[index])
+        self.inputs = SlotRings(run.inputs_to(index))   # one per client-facing process
         self.outputs = SlotRing.attach(run.output_rings[index])
         self.outputs.become_writer()
         self.store = BackgroundStore.attach(run.store)
@@ -73,7 +74,7 @@ class InferenceWorker:
         # failed before its callback was attached: the lock keeps the socket to one thread at a time.
         self._wake_lock = threading.Lock()
         self.backgrounds = Backgrounds(run.store, self.store, self._wake)
-        for ring in (self.inputs, self.outputs):   # copies to and from the slots at the bus's speed
+        for ring in (*self.inputs, self.outputs):   # copies to and from the slots at the bus's speed
             device.pin(ring.data())
         self.registry = Registry(device, inf, config.limits.max_batch, self._onnx_path, self._model_event, self._wake,
                                  companions=self._load_encoder)
@@ -96,7 +97,7 @@ class InferenceWorker:
         # answered), and those of them the frontend ended meanwhile: their slots are freed as they fail
         self._on_device: set[int] = set()
         self._ended: set[int] = set()
-        self._floor = 0   # request ids below it are a dead frontend's (ResetRequests): never answered
+        self._floors = Floors()   # a dead frontend's request ids (ResetRequests): never answered
         # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
         self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
         self._stopping = False
@@ -121,7 +122,7 @@ class InferenceWorker:
                 self._wake_tx.send(b"")
 
     def _model_event(self, model: str, event: str, load_ms: float, nbytes: int, frames_per_s: float) -> None:
-        self.to_frontend.send(pack(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
+        self.to_frontend.broadcast(pack(ModelEvent(worker=self.index, model=model, event=event, load_ms=load_ms,
                                               nbytes=nbytes, frames_per_s=frames_per_s)))
 
     def stop(self) -> None:
@@ -133,7 +134,7 @@ class InferenceWorker:
             self._wake_tx.close(linger=0)
         self.registry.close()
         self.registry.device.unpin_all()   # NOTE: before the rings unmap what it pinned
-        for ring in (self.inputs, self.outputs):
+        for ring in (*self.inputs, self.outputs):
             ring.close()
         self.backgrounds.close()
         self.store.close()
@@ -191,7 +192,7 @@ class InferenceWorker:
         route(self._handlers, msg, f"inference worker {self.index}")
 
     def _infer_task(self, msg: InferTask) -> None:
-        if msg.req < self._floor:   # a dead frontend's, read after the reset
+        if self._floors.gone(msg.req):   # a dead frontend's, read after the reset
             return
         self.registry.queued(msg.model)
         self.queue.append(msg)
@@ -201,7 +202,7 @@ class InferenceWorker:
 
     def _unload_op(self, msg: UnloadModel) -> None:
         ok = self.registry.unload(msg.model)
-        self.to_frontend.send(pack(LoadDone(
+        self.to_frontend.send(msg.req, pack(LoadDone(
             req=msg.req, worker=self.index, model=msg.model, ok=ok, code=None if ok else ErrorCode.OVERLOADED,
             message="" if ok else f"model {msg.model} has work queued or running; retry when it is idle")))
 
@@ -218,19 +219,19 @@ class InferenceWorker:
         slots freed. Those a step holds (prepared or running: the device thread may still write their
         slots) fail as their step starts or comes back, unanswered; their slots are freed then. Its live
         sessions' pins go too: the sessions went with it."""
-        self._floor = max(self._floor, msg.floor)
+        self._floors.raise_to(msg.floor)
         dropped = self.registry.drop_pins_below(msg.floor)
         if dropped:
             log.info("released %d live session pin(s) of the frontend that restarted", dropped)
-        for task in [t for t in self.queue if t.req < msg.floor]:
+        for task in [t for t in self.queue if same_owner_below(t.req, msg.floor)]:
             self.queue.remove(task)
             self.registry.finished(task.model)
         for model, reqs in list(self.pending_loads.items()):
-            self.pending_loads[model] = [req for req in reqs if req >= msg.floor]
+            self.pending_loads[model] = [req for req in reqs if not same_owner_below(req, msg.floor)]
         self.outputs.release_below(msg.floor, keep=self._on_device)
 
     def _stats(self, msg: StatsQuery) -> None:
-        self.to_frontend.send(pack(StatsReport(
+        self.to_frontend.send(msg.req, pack(StatsReport(
             req=msg.req, worker=self.index, device=self.device,
             models={m: s.as_dict() for m, s in self.registry.stats.items()},
             loaded=sorted(self.registry.loaded), queue=len(self.queue),
@@ -243,7 +244,7 @@ class InferenceWorker:
         if msg.pin > 0:
             self.registry.pin(msg.model, msg.req)
         if msg.model in self.registry.loaded:
-            self.to_frontend.send(pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
+            self.to_frontend.send(msg.req, pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=True,
                                                 load_ms=self.registry.stat(msg.model).load_ms)))
             return
         self.pending_loads.setdefault(msg.model, []).append(msg.req)
@@ -257,7 +258,7 @@ class InferenceWorker:
                 self._fail_model(result.model, result.code, result.error)
                 continue
             for req in self.pending_loads.pop(result.model, []):
-                self.to_frontend.send(pack(LoadDone(req=req, worker=self.index, model=result.model, ok=True,
+                self.to_frontend.send(req, pack(LoadDone(req=req, worker=self.index, model=result.model, ok=True,
                                                     load_ms=result.load_ms)))
 
     def _fail_model(self, model: str, code: str, message: str) -> None:
@@ -266,7 +267,7 @@ class InferenceWorker:
             self.queue.remove(task)
             self._done(task, code, message)
         for req in self.pending_loads.pop(model, []):
-            self.to_frontend.send(pack(LoadDone(req=req, worker=self.index, model=model, ok=False, code=code,
+            self.to_frontend.send(req, pack(LoadDone(req=req, worker=self.index, model=model, ok=False, code=code,
                                                 message=message)))
 
     def _expire_waiting(self) -> None:
@@ -278,11 +279,11 @@ class InferenceWorker:
 
     def _done(self, task: InferTask, code: str = "", message: str = "", **fields) -> None:
         self.registry.finished(task.model)
-        if task.req < self._floor:   # the frontend that sent it is gone: no one to answer
+        if self._floors.gone(task.req):   # the frontend that sent it is gone: no one to answer
             return
         if code:
             self.registry.stat(task.model).errors += 1
-        self.to_frontend.send(pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
+        self.to_frontend.send(task.req, pack(InferDone(req=task.req, worker=self.index, ok=not code, code=code or None,
                                              message=message, **fields)))
 
     # -- steps --------------------------------------------------------------------------------------
@@ -402,7 +403,7 @@ class InferenceWorker:
             self._steps["steps"] += 1
             self._steps["device_busy_s"] += step.seconds
         if step.calls:   # (the GPU path's: a CPU call holds one frame)
-            self.to_frontend.send(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls,
+            self.to_frontend.first(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls,
                                                   seconds=step.seconds)))
 
     def _expected_step_s(self) -> float:
@@ -469,7 +470,7 @@ class InferenceWorker:
         was cancelled); "" when it did not."""
         if task.req in self._ended:
             return f"request was cancelled while {stage}"
-        if task.req < self._floor:
+        if self._floors.gone(task.req):
             return f"the frontend restarted while the request was {stage}"
         try:
             for ref in (task.audio, task.visual):

@@ -56,6 +56,53 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str, setting: str) -> None:
                           f"change {setting}") from None
 
 
+def tcp_address(endpoint: str) -> tuple[str, int]:
+    """tcp://HOST:PORT -> (host, port); HOST `*` is every IPv4 address, [v6] an IPv6 one."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = "0.0.0.0" if host == "*" else host.strip("[]")
+    return host, int(port)
+
+
+def bind_shared(sock: zmq.Socket, endpoint: str, setting: str) -> None:
+    """Bind a ZeroMQ socket to a tcp:// endpoint that other processes of this server bind too: a
+    listening socket with SO_REUSEPORT, handed to ZeroMQ (ZMQ_USE_FD), so that the kernel spreads new
+    connections over the processes. Only processes of this user can join it (Linux's rule);
+    failing is permanent."""
+    host, port = tcp_address(endpoint)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            listener.bind(address)
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+    except OSError as err:
+        raise CannotServe(f"{setting}: cannot listen on {endpoint} ({err.strerror or err}){_taken(err.errno)}: "
+                          f"change {setting}") from None
+    sock.setsockopt(zmq.USE_FD, listener.detach())   # (ZeroMQ owns the descriptor now, and closes it)
+    bind_endpoint(sock, endpoint, setting)
+
+
+def port_free(endpoint: str) -> bool:
+    """No process holds a tcp:// endpoint's port, shared or not (a server whose processes share it
+    checks this before they bind: SO_REUSEPORT would let them join another server of this user)."""
+    host, port = tcp_address(endpoint)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        return err.errno != errno.EADDRINUSE
+    return True
+
+
 def listen_tcp(host: str, port: int, setting: str, fix: str = "") -> list[socket.socket]:
     """Listening TCP sockets on host:port (one per address `host` resolves to, as asyncio's
     create_server binds), bound now so that a taken port ends the start, whenever they are served;

@@ -7,21 +7,27 @@ paths in a private per-run directory (mode 0700).
 
 from __future__ import annotations
 
+import logging
+from typing import Sequence
+
 import msgspec
 import zmq
 
+from shm.requests import owner_of
 from shm.ring import RingSpec
+
+log = logging.getLogger(__name__)
 
 
 class Endpoints(msgspec.Struct, frozen=True):
     supervisor: str                  # PULL: Ready / Fatal from every child
-    frontend: str                    # PULL: results and events for the frontend
+    frontend: tuple[str, ...]        # PULL per client-facing process (frontend i; a GPU host's bridge)
     gpu: tuple[str, ...]             # PULL per inference worker
     cpu: tuple[str, ...]             # PULL per compositing process
 
     @classmethod
-    def in_dir(cls, run_dir: str, n_gpu: int, n_cpu: int) -> "Endpoints":
-        return cls(f"ipc://{run_dir}/supervisor", f"ipc://{run_dir}/frontend",
+    def in_dir(cls, run_dir: str, n_gpu: int, n_cpu: int, n_frontends: int = 1) -> "Endpoints":
+        return cls(f"ipc://{run_dir}/supervisor", tuple(f"ipc://{run_dir}/frontend{i}" for i in range(n_frontends)),
                    tuple(f"ipc://{run_dir}/gpu{i}" for i in range(n_gpu)),
                    tuple(f"ipc://{run_dir}/cpu{i}" for i in range(n_cpu)))
 
@@ -45,12 +51,23 @@ class RunSpec(msgspec.Struct, frozen=True):
     run_prefix: str
     run_dir: str
     endpoints: Endpoints
-    input_rings: tuple[RingSpec, ...]    # per inference worker; written by the frontend
+    # per client-facing process, then per inference worker ([owner * workers + worker]); each written by
+    # its process (shm/requests.py: a request's owner)
+    input_rings: tuple[RingSpec, ...]
     output_rings: tuple[RingSpec, ...]   # per inference worker; written by that worker
     store: StoreSpec
     devices: tuple[str, ...]             # per inference worker: "cpu", "cuda:N" or "remote:<endpoint>"
     image_rings: tuple[RingSpec, ...] = ()   # per compositing process: raw frames; written by it
     supervisor_pid: int = 0                  # children die with this process (shm.child)
+
+    def inputs_of(self, owner: int) -> tuple[RingSpec, ...]:
+        """Client-facing process `owner`'s input rings, one per inference worker."""
+        n = len(self.devices)
+        return self.input_rings[owner * n:(owner + 1) * n]
+
+    def inputs_to(self, worker: int) -> tuple[RingSpec, ...]:
+        """Inference worker `worker`'s input rings, one per client-facing process."""
+        return self.input_rings[worker::len(self.devices)]
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
@@ -76,3 +93,42 @@ def network_socket(ctx: zmq.Context, kind: int, max_message_bytes: int) -> zmq.S
     sock = make_socket(ctx, kind, max_message_bytes=max_message_bytes)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     return sock
+
+
+class Owners:
+    """A worker's or compositor's PUSH sockets to every client-facing process (Endpoints.frontend): a
+    request's answer goes to the process that made it (its id's owner: shm/requests.py), events that
+    every process keeps (a model loaded, a process's state) to all, and figures the host counts once
+    (a device step's) to the first."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: Sequence[str]):
+        self.socks = [make_socket(ctx, zmq.PUSH, connect=a) for a in endpoints]
+
+    def _of(self, req: int):
+        owner = owner_of(req)
+        if owner < len(self.socks):
+            return self.socks[owner]
+        log.error("request %d names client-facing process %d of %d; its answer is dropped", req, owner,
+                  len(self.socks))
+        return None
+
+    def send(self, req: int, data: bytes) -> None:
+        sock = self._of(req)
+        if sock is not None:
+            sock.send(data)
+
+    def send_multipart(self, req: int, parts: list, copy: bool = True) -> None:
+        sock = self._of(req)
+        if sock is not None:
+            sock.send_multipart(parts, copy=copy)
+
+    def broadcast(self, data: bytes) -> None:
+        for sock in self.socks:
+            sock.send(data)
+
+    def first(self, data: bytes) -> None:
+        self.socks[0].send(data)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(linger=0)

@@ -34,12 +34,13 @@ from __future__ import annotations
 import enum
 import struct
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Optional
 
 import msgspec
 import numpy as np
 
+from shm.requests import same_owner_below
 from shm.segment import Segment
 
 MAGIC = b"LSRING01"
@@ -263,9 +264,10 @@ class SlotRing:
         return len(slots)
 
     def release_below(self, floor: int, keep: Collection[int] = ()) -> int:
-        """Free every slot tied to a request id below `floor` (a restarted writer's predecessor's: shm/messages
-        ResetRequests), but those of the requests in `keep`; return how many extents."""
-        old = [req for req in self._by_request if req < floor and req not in keep]
+        """Free every slot tied to a request id of `floor`'s owner below `floor` (a restarted owner's
+        predecessor's: shm/messages ResetRequests, shm/requests.py), but those of the requests in `keep`;
+        return how many extents."""
+        old = [req for req in self._by_request if same_owner_below(req, floor) and req not in keep]
         return sum(self.release_request(req) for req in old)
 
     def held(self, request_id: int) -> Optional[int]:
@@ -315,3 +317,30 @@ class SlotRing:
                 f"({self.spec.slot_bytes} a slot; raise limits.max_batch or limits.max_audio_elements?)")
         start = slot * self.spec.slot_bytes + offset
         return self._flat[start:start + nbytes].view(dt).reshape(shape)
+
+
+class SlotRings:
+    """A reader's rings of several writers (an inference worker's input rings, one per client-facing
+    process), by name: a handle reads from the ring it names."""
+
+    def __init__(self, specs: Sequence[RingSpec]):
+        self._by_name = {spec.name: SlotRing.attach(spec) for spec in specs}
+
+    def __iter__(self):
+        return iter(self._by_name.values())
+
+    def ring(self, ref: TensorRef) -> SlotRing:
+        ring = self._by_name.get(ref.ring)
+        if ring is None:
+            raise RingError(f"handle for ring {ref.ring}, which is not one of this reader's")
+        return ring
+
+    def read(self, ref: TensorRef) -> np.ndarray:
+        return self.ring(ref).read(ref)
+
+    def verify(self, ref: TensorRef) -> None:
+        self.ring(ref).verify(ref)
+
+    def close(self) -> None:
+        for ring in self:
+            ring.close()

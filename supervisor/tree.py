@@ -31,9 +31,9 @@ import zmq
 
 from config import Config, resolve_path
 from config.geometry import MOUTH_BYTES, input_page_bytes, input_slot_bytes
-from shm.child import EXIT_PERMANENT
+from shm.child import EXIT_PERMANENT, port_free
 from shm.codes import ProcState
-from shm.endpoints import Endpoints, RunSpec, make_socket
+from shm.endpoints import Endpoints, Owners, RunSpec, make_socket
 from shm.messages import Fatal, ProcessEvent, Ready, ResetRequests, pack, unpack
 from shm.ring import RingSpec, SlotRing
 from shm.segment import run_prefix, sweep_dead_runs
@@ -133,6 +133,13 @@ class Supervisor:
             raise StartError("--role gpu needs bridge.secret_key and bridge.authorized_keys (`python -m supervisor "
                              "keys DIR NAME` writes key pairs), or bridge.insecure_plaintext: true for a trusted "
                              "network (docs/security.md)")
+        if role != "gpu" and config.frontend.processes > 1:
+            # NOTE: the processes share each port (SO_REUSEPORT), which would let them join another server
+            # of this user on it as well: a taken port ends the start here
+            for endpoint in config.frontend.bind:
+                if not port_free(endpoint):
+                    raise StartError(f"frontend.bind: cannot listen on {endpoint}: another program holds the port; "
+                                     "change frontend.bind")
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
         try:
@@ -142,12 +149,13 @@ class Supervisor:
             raise
         self.ctx = zmq.Context()
         self.inbox = make_socket(self.ctx, zmq.PULL, bind=self.run.endpoints.supervisor)
-        self.to_frontend = make_socket(self.ctx, zmq.PUSH, connect=self.run.endpoints.frontend)
+        self.to_frontend = Owners(self.ctx, self.run.endpoints.frontend)
         self.to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.gpu]
         self.to_cpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in self.run.endpoints.cpu]
         self.children = ([Child("gpu", i) for i in range(len(self.run.devices))]
                          + [Child("cpu", i) for i in range(len(self.run.endpoints.cpu))]
-                         + [Child("bridge" if role == "gpu" else "frontend", 0)])
+                         + [Child("bridge" if role == "gpu" else "frontend", i)
+                            for i in range(len(self.run.endpoints.frontend))])
         self._mp = mp.get_context("spawn")
 
     # -- shared memory --------------------------------------------------------------------------
@@ -166,7 +174,10 @@ class Supervisor:
         # each (a live session's), which its steps then run together.
         in_bytes = input_slot_bytes(lim.max_batch, lim.max_audio_elements)
         in_page = input_page_bytes(lim.max_audio_elements)
-        inputs = tuple(RingSpec.in_pages(f"{prefix}-in{i}", cfg.shm.slots, in_bytes, in_page) for i in range(len(devices)))
+        # (one client-facing process on a GPU host: its bridge)
+        n_front = cfg.frontend.processes if self.role != "gpu" else 1
+        inputs = tuple(RingSpec.in_pages(f"{prefix}-in{i}" + (f"f{f}" if f else ""), cfg.shm.slots, in_bytes, in_page)
+                       for f in range(n_front) for i in range(len(devices)))
         outputs = tuple(RingSpec.in_pages(f"{prefix}-out{i}", cfg.shm.slots, lim.max_batch * MOUTH_BYTES, MOUTH_BYTES)
                         for i in range(len(devices)))
         # NOTE: created unpopulated, and populated once the children are spawned (_populate_rings): the
@@ -184,7 +195,7 @@ class Supervisor:
         images = tuple(RingSpec.for_bytes(f"{prefix}-img{j}", cfg.shm.slots, image_bytes) for j in range(n_cpu))
         for spec in images:
             self._created.append(SlotRing.create(spec, populate=False))
-        self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu),
+        self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu, n_front),
                            inputs, outputs, store, tuple(devices), images, os.getpid())
 
     def _cleanup(self) -> None:
@@ -214,7 +225,7 @@ class Supervisor:
         pid = child.process.pid if child.process is not None else None
         device = self.run.devices[child.index] if child.role == "gpu" else "cpu"
         state = child.ready_state if child.state is ProcState.READY else child.state
-        self.to_frontend.send(pack(ProcessEvent(role=child.role, index=child.index, pid=pid, state=state,
+        self.to_frontend.broadcast(pack(ProcessEvent(role=child.role, index=child.index, pid=pid, state=state,
                                                 restarts=child.restarts, device=device)))
 
     def start(self) -> None:
@@ -384,6 +395,8 @@ class Supervisor:
         ids = list_model_ids(cfg)
         shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
         where = cfg.bridge.bind + " (bridge, for edges)" if self.role == "gpu" else ", ".join(cfg.frontend.bind)
+        if self.role != "gpu" and cfg.frontend.processes > 1:
+            where += f" ({cfg.frontend.processes} client-facing processes)"
         return (f"role {self.role}: serving on {where}\n"
                 f"  inference workers: {workers}\n"
                 f"  compositing processes: {len(self.run.endpoints.cpu)}\n"

@@ -150,6 +150,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """A port p with p + 1 .. p + n - 1 free too (client-facing process i serves metrics.port + i)."""
+    for _ in range(100):
+        port = free_port()
+        taken = False
+        for k in range(1, n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + k))
+                except OSError:
+                    taken = True
+                    break
+        if not taken:
+            return port
+    raise RuntimeError(f"no {n} adjacent free ports")
+
+
 def base_config(models_dir: Path, **overrides) -> dict:
     cfg = {
         "frontend": {"bind": [f"tcp://127.0.0.1:{free_port()}"]},

@@ -93,9 +93,9 @@ class BridgeServer(Shell):
             self.auth = start_authenticator(ctx, public_keys_in(b.authorized_keys, "bridge.authorized_keys"),
                                             f"bridge {b.bind}")
         bind_endpoint(self.edges, b.bind, "bridge.bind")
-        self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend)
+        self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend[0])
         to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
-        inputs = [SlotRing.attach(s) for s in run.input_rings]
+        inputs = [SlotRing.attach(s) for s in run.inputs_of(0)]
         for ring in inputs:
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]

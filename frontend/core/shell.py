@@ -22,19 +22,21 @@ from frontend.core.scheduler import Dispatch, Done, Fail, FreeImages, ReleaseOut
 from frontend.core.slots import write_inputs
 from shm.codes import ErrorCode
 from shm.messages import InferTask, ReleaseTask, pack
+from shm.requests import first_id
 from shm.ring import SlotRing
 
 log = logging.getLogger(__name__)
 SHUTDOWN_MESSAGE = "the server is shutting down; retry on another server"
 
 
-def first_request_id() -> int:
-    """The first request id of a shell process (a frontend, a GPU host's bridge) starting now: this host's
-    monotonic clock in microseconds. The shell it replaces began at an earlier microsecond and used fewer
-    ids than microseconds went by (a million requests a second is far past any), so every id of the new
-    shell is above every id of the old: a worker's answer to a dead shell's request can never be taken
-    for the answer to a new one (the workers drop what the old held: ResetRequests.floor)."""
-    return time.monotonic_ns() // 1000
+def first_request_id(owner: int = 0) -> int:
+    """The first request id of a shell process (frontend `owner`, a GPU host's bridge) starting now: this
+    host's monotonic clock in microseconds, under the owner's bits (shm/requests.py). The shell it replaces
+    began at an earlier microsecond and used fewer ids than microseconds went by (a million requests a
+    second is far past any), so every id of the new shell is above every id of the old: a worker's answer
+    to a dead shell's request can never be taken for the answer to a new one (the workers drop what the
+    old held: ResetRequests.floor)."""
+    return first_id(owner, time.monotonic_ns() // 1000)
 
 
 class Shell:

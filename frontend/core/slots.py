@@ -20,9 +20,11 @@ class RingRoom:
     limits.queue_depth bounds it, not in the worker. One that can never fit is let through:
     `write_inputs` fails it, naming the setting."""
 
-    def __init__(self, rings: Sequence[SlotRing], outputs: Sequence[RingSpec]):
+    def __init__(self, rings: Sequence[SlotRing], outputs: Sequence[RingSpec], share: int = 1):
+        """`share`: the client-facing processes whose requests the workers' output rings hold; each
+        holds its share of their slots in flight."""
         self.rings = rings
-        self.frames = [spec.n_slots for spec in outputs]
+        self.frames = [max(spec.n_slots // share, 1) for spec in outputs]
         self.held: list[dict[int, int]] = [{} for _ in rings]   # per worker: request -> its frames
         self._in_flight = [0] * len(rings)                      # per worker: their sum
 

@@ -35,7 +35,7 @@ def _version() -> str:
 
 def health(fe: Frontend, call: Call) -> bytes:
     engine = fe.engine
-    procs = [P.ProcessInfo(role="frontend", index=0, pid=os.getpid(), state=ProcState.READY.value)]
+    procs = [P.ProcessInfo(role="frontend", index=fe.index, pid=os.getpid(), state=ProcState.READY.value)]
     procs += [P.ProcessInfo(role="gpu", index=w.index, pid=w.pid, state=w.state.value, restarts=w.restarts,
                             device=w.device) for w in engine.workers]
     procs += [P.ProcessInfo(role="cpu", index=i, pid=c.pid, state=c.state.value, restarts=c.restarts, device="cpu")

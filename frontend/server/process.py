@@ -39,7 +39,7 @@ from frontend.server.calls import ReplyTo, Tenant
 from frontend.server.catalog import Catalog
 from frontend.server.intake import Intake
 from frontend.server.replies import Replies
-from shm.child import bind_endpoint, child_main, listen_tcp
+from shm.child import bind_endpoint, bind_shared, child_main, listen_tcp
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket
 from shm.messages import (CloseEncoder, CompositeDone, InferDone, LoadDone, ModelEvent, ProcessEvent, StatsReport,
@@ -53,8 +53,10 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK) 
 
 
 class Frontend(Shell):
-    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
-        self.config, self.run_spec = config, run
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int = 0):
+        """`index`: which of the host's client-facing processes (frontend.processes) this one is."""
+        self.config, self.run_spec, self.index = config, run, index
+        shared = config.frontend.processes > 1
         self.device = "cpu"
         self.ctx = ctx
         self.catalog = Catalog(config)
@@ -74,7 +76,8 @@ class Frontend(Shell):
             if config.frontend.curve is not None:
                 make_server(sock, resolve_path(config, config.frontend.curve.secret_key),
                             "frontend.curve.secret_key")
-            bind_endpoint(sock, endpoint, "frontend.bind")
+            # NOTE: several processes: each binds every endpoint, and the kernel spreads connections
+            (bind_shared if shared else bind_endpoint)(sock, endpoint, "frontend.bind")
             self.clients.append(sock)
         # One monitor per ROUTER, read without blocking (see _connections_closed).
         self.monitors = []
@@ -84,13 +87,15 @@ class Frontend(Shell):
             monitor = ctx.socket(zmq.PAIR)
             monitor.connect(address)
             self.monitors.append(monitor)
-        self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend)
-        inputs = [SlotRing.attach(spec) for spec in run.input_rings]
+        self.pull = make_socket(self.ctx, zmq.PULL, bind=run.endpoints.frontend[index])
+        inputs = [SlotRing.attach(spec) for spec in run.inputs_of(index)]
         for ring in inputs:
-            ring.become_writer()   # the frontend is the one writer of every input ring
+            ring.become_writer()   # this process is the one writer of its input rings
         to_gpu = [make_socket(self.ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
-        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), RingRoom(inputs, run.output_rings),
-                           lim.queue_depth, config.frontend.routing, first_id=first_request_id())
+        # (a worker's output ring is shared by every client-facing process: each holds its share in flight)
+        room = RingRoom(inputs, run.output_rings, share=len(run.endpoints.frontend))
+        engine = Scheduler(list(run.devices), len(run.endpoints.cpu), room, lim.queue_depth, config.frontend.routing,
+                           first_id=first_request_id(index))
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
@@ -100,7 +105,8 @@ class Frontend(Shell):
         # The WebRTC viewer: its port bound here, so that a taken port ends the start; its stack (aiohttp,
         # aiortc: ~0.4 s of imports) loaded and served after READY (_main). Live sessions get it there.
         self.viewer = None
-        self.viewer_sockets = (listen_tcp(config.viewer.host, config.viewer.port, "viewer.port", "(0: no viewer)")
+        self.viewer_sockets = (listen_tcp(config.viewer.host, config.viewer.port + index, "viewer.port",
+                                          "(0: no viewer; process i of frontend.processes listens on viewer.port + i)")
                                if config.viewer.port else [])
         # session_open is refused `busy` past what this host's cores hold (live/capacity.py): by the CPU
         # time of the server's processes here, this one and those the supervisor reports (_process_event)
@@ -113,7 +119,8 @@ class Frontend(Shell):
         self._handlers = {InferDone: self._infer_done, CompositeDone: self._composite_done,
                           LoadDone: self._control_done, StatsReport: self._control_done,
                           ModelEvent: self._model_event, ProcessEvent: self._process_event, StepDone: self._step_done}
-        self.metrics.serve(config.metrics.host, config.metrics.port, self.readiness)
+        # (process i of frontend.processes: metrics.port + i)
+        self.metrics.serve(config.metrics.host, config.metrics.port + index if config.metrics.port else 0, self.readiness)
 
     def readiness(self) -> tuple[str, Optional[str]]:
         """/readyz (frontend/probes.readiness). On an edge, one GPU host that is ready is enough.
@@ -419,5 +426,5 @@ def _take(sock: zmq.Socket, handle: Callable[[list], None], most: int = 256) -> 
 
 
 def run_frontend_process(config: Config, run: RunSpec, index: int = 0) -> None:
-    child_main("frontend", index, run, lambda ctx: Frontend(ctx, config, run))
+    child_main("frontend", index, run, lambda ctx: Frontend(ctx, config, run, index))
 

@@ -1,0 +1,47 @@
+"""Request ids across processes: the high bits of an id name the client-facing process that made it
+(its owner: frontend i, or a GPU host's bridge, 0), so that every process answering a request sends
+the answer to its owner, and a restarted owner's predecessor's requests are told from every other
+owner's (ResetRequests carries the new owner's first id, owner bits included).
+
+    bit  63 .. 56 | 55 .. 0
+         (unused) | owner (8 bits: 0..255) | ids counted from the owner's first (48 bits)
+
+An owner's ids start at the host's monotonic clock in microseconds when it starts (2^48 us is 8.9
+years of uptime) and count up one a request.
+"""
+
+from __future__ import annotations
+
+OWNER_SHIFT = 48
+MAX_OWNERS = 256
+
+
+def owner_of(req: int) -> int:
+    return req >> OWNER_SHIFT
+
+
+def first_id(owner: int, now_us: int) -> int:
+    """The first request id of owner `owner` starting at `now_us` (a monotonic clock in microseconds)."""
+    if not 0 <= owner < MAX_OWNERS:
+        raise ValueError(f"owner {owner} is not in 0..{MAX_OWNERS - 1}")
+    return (owner << OWNER_SHIFT) | (now_us & ((1 << OWNER_SHIFT) - 1))
+
+
+def same_owner_below(req: int, floor: int) -> bool:
+    """`req` is of the owner `floor` names, and made before it (a restarted owner's predecessor's)."""
+    return owner_of(req) == owner_of(floor) and req < floor
+
+
+class Floors:
+    """Per owner, the first id of its process now: the ids of that owner below it are a dead
+    predecessor's (ResetRequests), never to be answered."""
+
+    def __init__(self) -> None:
+        self._by_owner: dict[int, int] = {}
+
+    def raise_to(self, floor: int) -> None:
+        owner = owner_of(floor)
+        self._by_owner[owner] = max(self._by_owner.get(owner, 0), floor)
+
+    def gone(self, req: int) -> bool:
+        return req < self._by_owner.get(owner_of(req), 0)
