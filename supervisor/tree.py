@@ -138,8 +138,8 @@ class Supervisor:
             # of this user on it as well: a taken port ends the start here
             for endpoint in config.frontend.bind:
                 if not port_free(endpoint):
-                    raise StartError(f"frontend.bind: cannot listen on {endpoint}: another program holds the port; "
-                                     "change frontend.bind")
+                    raise StartError(f"frontend.bind: cannot listen on {endpoint} (Address already in use; another "
+                                     "program holds the port): change frontend.bind")
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
         try:

@@ -16,7 +16,9 @@ import psutil
 import pytest
 
 from lipsync_client import Client, ClientTimeout, ServerError, Session
-from tests.helpers import base_config, frames_until, free_ports, make_avatar, run_server
+from tests.conftest import TEST_PREFIX
+from tests.helpers import (base_config, bridge_configs, bridge_keys, frames_until, free_port, free_ports, gpu_host,
+                           make_avatar, run_server)
 
 pytestmark = pytest.mark.slow
 AUDIO = np.zeros((4, 32, 16, 16), np.float32)
@@ -160,6 +162,24 @@ def test_a_killed_process_takes_only_its_own_requests_and_comes_back(tmp_path, m
         for c in clients.values():
             assert c.composite("slow", SLOW)[1] == want
             c.close()
+
+
+def test_an_edges_processes_each_get_their_own_answers_from_the_gpu_host(tmp_path, models):
+    """On an edge the bridge's client (gpu_actor/remote.py) answers each process's requests to it."""
+    gpu_cfg, edge_cfg = bridge_configs(models, bridge_keys(tmp_path / "keys"), free_port(), TEST_PREFIX)
+    edge_cfg["frontend"]["processes"] = 2
+    with gpu_host(tmp_path, gpu_cfg), run_server(tmp_path, edge_cfg, role="edge") as edge:
+        clients = _clients_on_each(edge.endpoint)
+        visual = np.random.default_rng(4).random((2, 6, 320, 320), dtype=np.float32)
+        try:
+            answers = [c.composite("fast", AUDIO) for c in clients.values()]
+            mouths = [c.infer("fast", visual, AUDIO[:2])[1] for c in clients.values()]   # (the mouths come back)
+        finally:
+            for c in clients.values():
+                c.close()
+    assert all(header["ok"] and len(images) == 4 for header, images in answers)
+    assert answers[0][1] == answers[1][1]
+    np.testing.assert_array_equal(mouths[0], mouths[1])
 
 
 def test_the_processes_need_a_fixed_tcp_port(tmp_path, models):

@@ -124,6 +124,25 @@ def _ends_naming(run: Run, setting: str, says: str = "cannot start") -> str:
 
 # -- ports another program holds ---------------------------------------------------------------
 
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared"])
+def test_a_taken_port_ends_the_start_of_several_client_facing_processes(tmp_path, models, shared):
+    """frontend.processes > 1 share each port (SO_REUSEPORT): a port another program holds ends the
+    start, also when that program shares it too (another server of this user), which the processes
+    would otherwise join, each taking some of the other's connections."""
+    blocker = socket.socket()
+    if shared:
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    try:
+        run = Run(tmp_path, base_config(models, **{"frontend.bind": [f"tcp://127.0.0.1:{port}"],
+                                                   "frontend.processes": 2}))
+        words = _ends_naming(run, "frontend.bind")
+    finally:
+        blocker.close()
+    assert "Address already in use" in words and f"127.0.0.1:{port}" in words, words
+
 @pytest.mark.parametrize("setting", ["viewer.port", "metrics.port", "frontend.bind"])
 def test_a_taken_port_ends_the_start_naming_its_setting(tmp_path, models, setting):
     """A second server on a host whose port is taken: it ends at once, no restart, and says which setting."""
