@@ -173,12 +173,22 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Co
     return config
 
 
+def _shared(endpoint: str) -> bool:
+    """An endpoint several processes can bind (SO_REUSEPORT): tcp:// with a fixed port."""
+    return endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] not in ("0", "*")
+
+
 def _check_frontend_processes(config: Config, source: str) -> None:
-    """Several client-facing processes share each bind through SO_REUSEPORT, which TCP has and ipc
-    sockets do not."""
+    """Several client-facing processes (a GPU host's bridges) share each bind through SO_REUSEPORT,
+    which TCP has and ipc sockets do not."""
+    b = config.bridge
+    if b.processes > 1 and not _shared(b.bind):
+        raise ConfigError(f"{source}: bridge.processes: {b.processes} processes share bridge.bind, which only a "
+                          f"tcp:// endpoint of a fixed port allows; {b.bind!r} is not one (bind tcp://HOST:PORT, or "
+                          "set bridge.processes: 1)")
     f = config.frontend
     if f.processes > 1:
-        other = next((e for e in f.bind if not e.startswith("tcp://") or e.rsplit(":", 1)[-1] in ("0", "*")), None)
+        other = next((e for e in f.bind if not _shared(e)), None)
         if other is not None:
             raise ConfigError(f"{source}: frontend.processes: {f.processes} processes share each bind endpoint, "
                               f"which only tcp:// endpoints of a fixed port allow; {other!r} is not one (bind tcp://HOST:PORT, or "

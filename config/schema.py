@@ -64,6 +64,7 @@ class BridgeConfig(_Section):
     heartbeat_s: PosFloat = 0.25
     dead_after_s: PosFloat = 1.0
     resolve_s: PosFloat = 5.0                      # roles all/edge: how often DNS names in hosts are resolved
+    processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1   # role gpu: bridge processes sharing bind
 
 
 class MetricsConfig(_Section):

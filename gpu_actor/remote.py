@@ -76,6 +76,7 @@ class RemoteWorker:
         self._next_ping = 0.0
         self._next_report = 0.0
         self._host_stopping = False   # the host said it is shutting down (a Pong's `draining`, its Goodbye)
+        self._epoch = 0   # the answering bridge process (Pong.epoch); 0: none heard yet
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           StatsQuery: lambda m: self._send_host([pack(m)]),   # the host answers for all its workers
@@ -121,7 +122,7 @@ class RemoteWorker:
             self.host = self._connect(endpoint)
             self.poller.register(self.host, zmq.POLLIN)
             self.state = ProcState.UNREACHABLE   # until it answers a heartbeat: then READY is reported
-            self._last_pong, self._next_ping = time.monotonic(), 0.0
+            self._last_pong, self._next_ping, self._epoch = time.monotonic(), 0.0, 0
         self._report(self.state)
 
     def run(self) -> None:
@@ -257,6 +258,18 @@ class RemoteWorker:
 
     def _pong(self, msg: Pong) -> None:
         self._last_pong = time.monotonic()
+        if msg.epoch != self._epoch:
+            if self._epoch and self.state not in (ProcState.UNREACHABLE, ProcState.STOPPED):
+                # NOTE: ZeroMQ reconnected to another bridge process before a heartbeat was missed (the old
+                # one died and another of the host's bridges, or its restart, took the connection): what was
+                # in flight on the old one is lost. Unreachable for a moment, so the frontend answers it
+                # `unavailable` now, not at its deadline.
+                log.warning("GPU host %s answers from another bridge process: the work in flight on the old "
+                            "one is lost", self.endpoint)
+                self.state = ProcState.UNREACHABLE
+                self.pending.clear()
+                self._report(self.state)
+            self._epoch = msg.epoch
         if msg.draining and not self._host_stopping:
             log.info("GPU host %s is shutting down: it finishes (or answers) what it has, and takes no more",
                      self.endpoint)

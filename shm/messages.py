@@ -327,6 +327,9 @@ class Pong(_Msg):
     loaded: list[str]                # models loaded on the GPU host, for the edge's routing
     workers_ready: int = 0           # the GPU host serves only while at least one of its workers is ready
     draining: bool = False           # the GPU host is shutting down: it takes no new work
+    # the answering bridge process's first request id: another one means another process (restarted, or
+    # the connection moved to another of the host's bridges), which has none of the requests sent before
+    epoch: int = 0
 
 
 class Goodbye(_Msg):

@@ -133,13 +133,14 @@ class Supervisor:
             raise StartError("--role gpu needs bridge.secret_key and bridge.authorized_keys (`python -m supervisor "
                              "keys DIR NAME` writes key pairs), or bridge.insecure_plaintext: true for a trusted "
                              "network (docs/security.md)")
-        if role != "gpu" and config.frontend.processes > 1:
-            # NOTE: the processes share each port (SO_REUSEPORT), which would let them join another server
-            # of this user on it as well: a taken port ends the start here
-            for endpoint in config.frontend.bind:
-                if not port_free(endpoint):
-                    raise StartError(f"frontend.bind: cannot listen on {endpoint} (Address already in use; another "
-                                     "program holds the port): change frontend.bind")
+        shared = ([(e, "frontend.bind") for e in config.frontend.bind] if role != "gpu" and config.frontend.processes > 1
+                  else [(config.bridge.bind, "bridge.bind")] if role == "gpu" and config.bridge.processes > 1 else [])
+        # NOTE: the processes share each port (SO_REUSEPORT), which would let them join another server of this
+        # user on it as well: a taken port ends the start here
+        for endpoint, setting in shared:
+            if not port_free(endpoint):
+                raise StartError(f"{setting}: cannot listen on {endpoint} (Address already in use; another program "
+                                 f"holds the port): change {setting}")
         self._created: list = []
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
         try:
@@ -174,8 +175,8 @@ class Supervisor:
         # each (a live session's), which its steps then run together.
         in_bytes = input_slot_bytes(lim.max_batch, lim.max_audio_elements)
         in_page = input_page_bytes(lim.max_audio_elements)
-        # (one client-facing process on a GPU host: its bridge)
-        n_front = cfg.frontend.processes if self.role != "gpu" else 1
+        # (a GPU host's client-facing processes: its bridges)
+        n_front = cfg.frontend.processes if self.role != "gpu" else cfg.bridge.processes
         inputs = tuple(RingSpec.in_pages(f"{prefix}-in{i}" + (f"f{f}" if f else ""), cfg.shm.slots, in_bytes, in_page)
                        for f in range(n_front) for i in range(len(devices)))
         outputs = tuple(RingSpec.in_pages(f"{prefix}-out{i}", cfg.shm.slots, lim.max_batch * MOUTH_BYTES, MOUTH_BYTES)
@@ -395,8 +396,9 @@ class Supervisor:
         ids = list_model_ids(cfg)
         shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
         where = cfg.bridge.bind + " (bridge, for edges)" if self.role == "gpu" else ", ".join(cfg.frontend.bind)
-        if self.role != "gpu" and cfg.frontend.processes > 1:
-            where += f" ({cfg.frontend.processes} client-facing processes)"
+        n = cfg.bridge.processes if self.role == "gpu" else cfg.frontend.processes
+        if n > 1:
+            where += f" ({n} {'bridge' if self.role == 'gpu' else 'client-facing'} processes)"
         return (f"role {self.role}: serving on {where}\n"
                 f"  inference workers: {workers}\n"
                 f"  compositing processes: {len(self.run.endpoints.cpu)}\n"

@@ -182,10 +182,52 @@ def test_an_edges_processes_each_get_their_own_answers_from_the_gpu_host(tmp_pat
     np.testing.assert_array_equal(mouths[0], mouths[1])
 
 
+def test_a_gpu_hosts_bridge_processes_serve_the_edge_connections_each_takes(tmp_path, models):
+    """bridge.processes: 2. An edge that lists the host 12 times (12 connections; all on one bridge: 1 in
+    2,000) and sends its requests round robin over them is served through both bridges alike; with one
+    bridge killed, its connections move to the other and the restarted one, and every request is served
+    again."""
+    port = free_port()
+    gpu_cfg, edge_cfg = bridge_configs(models, bridge_keys(tmp_path / "keys"), port, TEST_PREFIX)
+    gpu_cfg["bridge"]["processes"] = 2
+    edge_cfg["bridge"]["hosts"] = edge_cfg["bridge"]["hosts"] * 12
+    edge_cfg["frontend"]["routing"] = "round_robin"
+    visual = np.random.default_rng(6).random((2, 6, 320, 320), dtype=np.float32)
+    with gpu_host(tmp_path, gpu_cfg) as (host, _), run_server(tmp_path, edge_cfg, role="edge") as edge, \
+            edge.client() as c:
+        bridges = {p.name(): p for p in psutil.Process(host.pid).children() if p.name().startswith("lsync-bridge")}
+        assert sorted(bridges) == ["lsync-bridge0", "lsync-bridge1"]
+
+        def held() -> dict[str, int]:
+            return {name: sum(1 for conn in p.net_connections("tcp") if conn.status == "ESTABLISHED"
+                              and conn.laddr.port == port) for name, p in bridges.items()}
+
+        deadline = time.monotonic() + 60
+        while sum(held().values()) < 12:   # (the edge's 12 connections come up one by one)
+            assert time.monotonic() < deadline, held()
+            time.sleep(0.2)
+        assert all(held().values()), held()
+        want = c.infer("fast", visual, AUDIO[:2])[1]
+        for _ in range(24):   # round robin: each connection twice
+            np.testing.assert_array_equal(c.infer("fast", visual, AUDIO[:2])[1], want)
+        os.kill(bridges["lsync-bridge1"].pid, signal.SIGKILL)
+        deadline, served = time.monotonic() + 60, 0
+        while served < 24:   # the dead bridge's connections are unreachable a moment, then served again
+            try:
+                np.testing.assert_array_equal(c.infer("fast", visual, AUDIO[:2], timeout_ms=20000)[1], want)
+                served += 1
+            except ServerError as err:
+                assert err.code == "unavailable", err
+                served = 0
+            assert time.monotonic() < deadline, f"requests still fail after the bridge's restart ({served} in a row)"
+
+
 def test_the_processes_need_a_fixed_tcp_port(tmp_path, models):
     from config import ConfigError, parse_config
     for bind in ("ipc:///tmp/lsync-frontends", "tcp://127.0.0.1:0"):
         with pytest.raises(ConfigError, match="frontend.processes"):
             parse_config({"frontend": {"processes": 2, "bind": [bind]}})
+    with pytest.raises(ConfigError, match="bridge.processes"):
+        parse_config({"bridge": {"processes": 2, "bind": "ipc:///tmp/lsync-bridge"}})
     with pytest.raises(ConfigError, match="viewer.public_url"):
         parse_config({"frontend": {"processes": 2}, "viewer": {"port": 8080, "public_url": "https://a.example"}})

@@ -39,7 +39,7 @@ from frontend.core.request import Inputs, Kind, Request
 from frontend.core.scheduler import STATS_TIMEOUT_S, Scheduler, merge_model_stats
 from frontend.core.shell import Shell, first_request_id
 from frontend.core.slots import RingRoom
-from shm.child import CannotServe, bind_endpoint, child_main
+from shm.child import CannotServe, bind_endpoint, bind_shared, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer,
@@ -80,8 +80,9 @@ class BridgeError(ValueError):
 
 
 class BridgeServer(Shell):
-    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec):
-        self.config, self.device = config, "bridge"
+    def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int = 0):
+        """`index`: which of the host's bridge processes (bridge.processes) this one is."""
+        self.config, self.device, self.index = config, "bridge", index
         b = config.bridge
         self.edges = network_socket(ctx, zmq.ROUTER, config.limits.max_message_bytes)
         self.auth = None
@@ -92,24 +93,27 @@ class BridgeServer(Shell):
                                   "(a GPU host with a secret key accepts only listed edges)")
             self.auth = start_authenticator(ctx, public_keys_in(b.authorized_keys, "bridge.authorized_keys"),
                                             f"bridge {b.bind}")
-        bind_endpoint(self.edges, b.bind, "bridge.bind")
-        self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend[0])
+        # NOTE: several processes: each binds bridge.bind, and the kernel gives each edge's connection to one
+        (bind_shared if b.processes > 1 else bind_endpoint)(self.edges, b.bind, "bridge.bind")
+        self.pull = make_socket(ctx, zmq.PULL, bind=run.endpoints.frontend[index])
         to_gpu = [make_socket(ctx, zmq.PUSH, connect=a) for a in run.endpoints.gpu]
-        inputs = [SlotRing.attach(s) for s in run.inputs_of(0)]
+        inputs = [SlotRing.attach(s) for s in run.inputs_of(index)]
         for ring in inputs:
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
-        engine = Scheduler(list(run.devices), 0, RingRoom(inputs, run.output_rings), config.limits.queue_depth,
-                           config.frontend.routing, STATS_WAIT_S, first_id=first_request_id())
+        room = RingRoom(inputs, run.output_rings, share=len(run.endpoints.frontend))
+        engine = Scheduler(list(run.devices), 0, room, config.limits.queue_depth, config.frontend.routing,
+                           STATS_WAIT_S, first_id=first_request_id(index))
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
         self._edges_seen: dict[bytes, float] = {}
         self._next_pin_check = 0.0
         self._goodbye_until: Optional[float] = None
         self._farewells: set[bytes] = set()   # edges told goodbye that have not answered it yet
-        # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port.
+        # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port (bridge
+        # process i: metrics.port + i).
         self._stopping = False
-        probes.serve(config.metrics.host, config.metrics.port, self.readiness)
+        probes.serve(config.metrics.host, config.metrics.port + index if config.metrics.port else 0, self.readiness)
 
     def readiness(self) -> tuple[str, Optional[str]]:
         return probes.readiness(list(self.engine.workers), [], self.engine.synced(), self.draining or self._stopping)
@@ -185,8 +189,8 @@ class BridgeServer(Shell):
             # NOTE: still the workers' own state while draining: a host that says none is ready has
             # its edges fail the work in flight on it, which draining is there to finish.
             loaded = sorted(set().union(*(w.models for w in self.engine.workers)))
-            self._send(identity, Pong(sent=msg.sent, loaded=loaded,
-                                      workers_ready=sum(w.ready for w in self.engine.workers), draining=self.draining))
+            self._send(identity, Pong(sent=msg.sent, loaded=loaded, workers_ready=sum(w.ready for w in self.engine.workers),
+                                      draining=self.draining, epoch=self.first_req))
             return
         if isinstance(msg, Goodbye):   # the edge has every reply of the drain
             self._farewells.discard(identity)
@@ -323,4 +327,4 @@ class BridgeServer(Shell):
 
 
 def run_bridge_process(config: Config, run: RunSpec, index: int = 0) -> None:
-    child_main("bridge", index, run, lambda ctx: BridgeServer(ctx, config, run))
+    child_main("bridge", index, run, lambda ctx: BridgeServer(ctx, config, run, index))
