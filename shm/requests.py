@@ -1,10 +1,10 @@
 """Request ids across processes: the high bits of an id name the client-facing process that made it
-(its owner: frontend i, or a GPU host's bridge, 0), so that every process answering a request sends
+(its owner: frontend i, or a GPU host's bridge i), so that every process answering a request sends
 the answer to its owner, and a restarted owner's predecessor's requests are told from every other
 owner's (ResetRequests carries the new owner's first id, owner bits included).
 
-    bit  63 .. 56 | 55 .. 0
-         (unused) | owner (8 bits: 0..255) | ids counted from the owner's first (48 bits)
+    bits  63 .. 56 | 55 .. 48         | 47 .. 0
+          unused   | owner (0 .. 255) | counted from the owner's first id
 
 An owner's ids start at the host's monotonic clock in microseconds when it starts (2^48 us is 8.9
 years of uptime) and count up one a request.
