@@ -45,8 +45,8 @@ class Client:
 
     def request(self, op: str, payload: Sequence = (), timeout_s: Optional[float] = None, **fields) -> Answer:
         rid = next(self._ids)
-        self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        wire.send_within(self._sock, [b"", wire.header(op, rid, **fields), *payload], timeout_s or self.timeout_s, op)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):
@@ -131,9 +131,15 @@ class AsyncClient:
             self._reader = asyncio.create_task(self._read())
         rid = next(self._ids)
         future = self._waiting[rid] = asyncio.get_running_loop().create_future()
-        await self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
+        sent = self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
+
+        async def answer() -> list:
+            # NOTE: the send too: a socket whose handshake failed (keys the server refuses) never sends
+            await sent
+            return await future
+
         try:
-            frames = await asyncio.wait_for(future, timeout_s or self.timeout_s)
+            frames = await asyncio.wait_for(answer(), timeout_s or self.timeout_s)
         except asyncio.TimeoutError:
             self._waiting.pop(rid, None)
             raise ClientTimeout(f"no reply to {op} within {timeout_s or self.timeout_s:g}s") from None

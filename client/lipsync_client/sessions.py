@@ -77,7 +77,7 @@ class Session:
 
     def _request(self, op: str, payload=(), **fields) -> dict:
         rid = next(self._ids)
-        self._sock.send_multipart([b"", wire.header(op, rid, **fields), *payload], copy=False)
+        wire.send_within(self._sock, [b"", wire.header(op, rid, **fields), *payload], self.timeout_s, op)
         deadline = time.monotonic() + self.timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             frames = self._recv(remaining)
@@ -177,9 +177,13 @@ class AsyncSession:
         return rid, sent, future
 
     async def _reply(self, op: str, rid: int, sent: asyncio.Future, future: asyncio.Future) -> dict:
-        try:
+        async def answer() -> list:
+            # NOTE: the send too: a socket whose handshake failed (keys the server refuses) never sends
             await sent
-            return wire.parse(await asyncio.wait_for(future, self.timeout_s))[0]
+            return await future
+
+        try:
+            return wire.parse(await asyncio.wait_for(answer(), self.timeout_s))[0]
         except asyncio.TimeoutError:
             raise ClientTimeout(f"no reply to {op} within {self.timeout_s:g}s") from None
         finally:   # answered, timed out, or the caller was cancelled (a barge-in cancels a pending send)

@@ -68,6 +68,16 @@ def curve_keys(secret_key_file: str, server_key_file: str) -> dict:
     return {"public": public, "secret": secret, "server": server}
 
 
+def send_within(sock, parts: list, timeout_s: float, what: str) -> None:
+    """Send a request's parts, waiting at most `timeout_s` for the socket to take them. A socket whose
+    connection failed its handshake (a server that refuses this client's CURVE keys) has nowhere to
+    queue a message, and its send would block for good."""
+    if not sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        raise ClientTimeout(f"{what} not sent within {timeout_s:g}s: no connection takes it (is the server up, "
+                            "and does it accept this client's CURVE keys?)")
+    sock.send_multipart(parts, copy=False)
+
+
 def new_socket(ctx, endpoint: str, curve: Optional[dict]):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
