@@ -169,7 +169,7 @@ def parse_config(data: Any, source: str = "<config>", base_dir: str = ".") -> Co
     except msgspec.ValidationError as err:
         raise ConfigError(_format_error(source, data, err)) from None
     _check_bridge_keys(config, source)
-    _check_frontend_processes(config, source)
+    _check_shared_binds(config, source)
     return config
 
 
@@ -178,7 +178,7 @@ def _shared(endpoint: str) -> bool:
     return endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] not in ("0", "*")
 
 
-def _check_frontend_processes(config: Config, source: str) -> None:
+def _check_shared_binds(config: Config, source: str) -> None:
     """Several client-facing processes (a GPU host's bridges) share each bind through SO_REUSEPORT,
     which TCP has and ipc sockets do not."""
     b = config.bridge

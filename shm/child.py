@@ -56,11 +56,16 @@ def bind_endpoint(sock: zmq.Socket, endpoint: str, setting: str) -> None:
                           f"change {setting}") from None
 
 
-def tcp_address(endpoint: str) -> tuple[str, int]:
-    """tcp://HOST:PORT -> (host, port); HOST `*` is every IPv4 address, [v6] an IPv6 one."""
+def _tcp_socket(endpoint: str) -> tuple[socket.socket, tuple]:
+    """A TCP socket (SO_REUSEADDR set) for tcp://HOST:PORT, and the address to bind it to; HOST `*` is
+    every IPv4 address, [v6] an IPv6 one. OSError if HOST does not resolve."""
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
     host = "0.0.0.0" if host == "*" else host.strip("[]")
-    return host, int(port)
+    family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock, address
 
 
 def bind_shared(sock: zmq.Socket, endpoint: str, setting: str) -> None:
@@ -68,13 +73,9 @@ def bind_shared(sock: zmq.Socket, endpoint: str, setting: str) -> None:
     listening socket with SO_REUSEPORT, handed to ZeroMQ (ZMQ_USE_FD), so that the kernel spreads new
     connections over the processes. Only processes of this user can join it (Linux's rule);
     failing is permanent."""
-    host, port = tcp_address(endpoint)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        listener = socket.socket(family, kind, proto)
+        listener, address = _tcp_socket(endpoint)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             listener.bind(address)
             listener.listen(128)
@@ -91,12 +92,9 @@ def bind_shared(sock: zmq.Socket, endpoint: str, setting: str) -> None:
 def port_free(endpoint: str) -> bool:
     """No process holds a tcp:// endpoint's port, shared or not (a server whose processes share it
     checks this before they bind: SO_REUSEPORT would let them join another server of this user)."""
-    host, port = tcp_address(endpoint)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe, address = _tcp_socket(endpoint)
+        with probe:
             probe.bind(address)
     except OSError as err:
         return err.errno != errno.EADDRINUSE

@@ -124,6 +124,14 @@ def check_models_dir(config: Config) -> None:
                          "permissions or set models_dir")
 
 
+def client_facing(config: Config, role: str) -> tuple[int, list[tuple[str, str]]]:
+    """How many client-facing processes the role runs (a GPU host's: its bridges), and the endpoints they
+    bind, each with its setting's name."""
+    if role == "gpu":
+        return config.bridge.processes, [(config.bridge.bind, "bridge.bind")]
+    return config.frontend.processes, [(e, "frontend.bind") for e in config.frontend.bind]
+
+
 class Supervisor:
     def __init__(self, config: Config, role: str = "all", stop: Optional[threading.Event] = None):
         self.config, self.role = config, role
@@ -133,11 +141,10 @@ class Supervisor:
             raise StartError("--role gpu needs bridge.secret_key and bridge.authorized_keys (`python -m supervisor "
                              "keys DIR NAME` writes key pairs), or bridge.insecure_plaintext: true for a trusted "
                              "network (docs/security.md)")
-        shared = ([(e, "frontend.bind") for e in config.frontend.bind] if role != "gpu" and config.frontend.processes > 1
-                  else [(config.bridge.bind, "bridge.bind")] if role == "gpu" and config.bridge.processes > 1 else [])
+        n, binds = client_facing(config, role)
         # NOTE: the processes share each port (SO_REUSEPORT), which would let them join another server of this
         # user on it as well: a taken port ends the start here
-        for endpoint, setting in shared:
+        for endpoint, setting in binds if n > 1 else ():
             if not port_free(endpoint):
                 raise StartError(f"{setting}: cannot listen on {endpoint} (Address already in use; another program "
                                  f"holds the port): change {setting}")
@@ -175,8 +182,7 @@ class Supervisor:
         # each (a live session's), which its steps then run together.
         in_bytes = input_slot_bytes(lim.max_batch, lim.max_audio_elements)
         in_page = input_page_bytes(lim.max_audio_elements)
-        # (a GPU host's client-facing processes: its bridges)
-        n_front = cfg.frontend.processes if self.role != "gpu" else cfg.bridge.processes
+        n_front, _ = client_facing(cfg, self.role)
         inputs = tuple(RingSpec.in_pages(f"{prefix}-in{i}" + (f"f{f}" if f else ""), cfg.shm.slots, in_bytes, in_page)
                        for f in range(n_front) for i in range(len(devices)))
         outputs = tuple(RingSpec.in_pages(f"{prefix}-out{i}", cfg.shm.slots, lim.max_batch * MOUTH_BYTES, MOUTH_BYTES)
@@ -396,7 +402,7 @@ class Supervisor:
         ids = list_model_ids(cfg)
         shown = ", ".join(ids[:5]) + (f", ... ({len(ids)} in all)" if len(ids) > 5 else "")
         where = cfg.bridge.bind + " (bridge, for edges)" if self.role == "gpu" else ", ".join(cfg.frontend.bind)
-        n = cfg.bridge.processes if self.role == "gpu" else cfg.frontend.processes
+        n = len(self.run.endpoints.frontend)
         if n > 1:
             where += f" ({n} {'bridge' if self.role == 'gpu' else 'client-facing'} processes)"
         return (f"role {self.role}: serving on {where}\n"
