@@ -59,6 +59,7 @@ class RunSpec(msgspec.Struct, frozen=True):
     devices: tuple[str, ...]             # per inference worker: "cpu", "cuda:N" or "remote:<endpoint>"
     image_rings: tuple[RingSpec, ...] = ()   # per compositing process: raw frames; written by it
     supervisor_pid: int = 0                  # children die with this process (shm.child)
+    board: str = ""                          # the client-facing processes' sessions (shm/board.py); "": none
 
     def inputs_of(self, owner: int) -> tuple[RingSpec, ...]:
         """Client-facing process `owner`'s input rings, one per inference worker."""

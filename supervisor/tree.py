@@ -31,6 +31,7 @@ import zmq
 
 from config import Config, resolve_path
 from config.geometry import MOUTH_BYTES, input_page_bytes, input_slot_bytes
+from shm.board import Board
 from shm.child import EXIT_PERMANENT, port_free
 from shm.codes import ProcState
 from shm.endpoints import Endpoints, Owners, RunSpec, make_socket
@@ -149,6 +150,7 @@ class Supervisor:
                 raise StartError(f"{setting}: cannot listen on {endpoint} (Address already in use; another program "
                                  f"holds the port): change {setting}")
         self._created: list = []
+        self.board: Optional[Board] = None
         self.run_dir = tempfile.mkdtemp(prefix="lsync-")
         try:
             self._create_shared_memory()
@@ -202,8 +204,14 @@ class Supervisor:
         images = tuple(RingSpec.for_bytes(f"{prefix}-img{j}", cfg.shm.slots, image_bytes) for j in range(n_cpu))
         for spec in images:
             self._created.append(SlotRing.create(spec, populate=False))
+        # the client-facing processes' sessions, for admission over the whole host (a GPU host's bridges
+        # hold none)
+        self.board = Board.create(f"{prefix}-board", n_front) if self.role != "gpu" else None
+        if self.board is not None:
+            self._created.append(self.board)
         self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu, n_front),
-                           inputs, outputs, store, tuple(devices), images, os.getpid())
+                           inputs, outputs, store, tuple(devices), images, os.getpid(),
+                           self.board.name if self.board is not None else "")
 
     def _cleanup(self) -> None:
         for obj in self._created:
@@ -320,6 +328,8 @@ class Supervisor:
             child.state = ProcState.FAILED
             raise ServeError(f"{child.name} died of an error that no restart can cure: {why}")
         log.error("%s (pid %d) died: %s", child.name, child.process.pid, why)
+        if child.role == "frontend" and self.board is not None:
+            self.board.vacate(child.index)
         now = time.monotonic()
         window = self.config.supervisor.restart_window_s
         child.crash_times = [t for t in child.crash_times if now - t < window] + [now]

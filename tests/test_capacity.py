@@ -77,6 +77,16 @@ def test_a_burst_on_an_idle_host_is_let_in_a_few_per_window_until_measured():
     assert ramp + extra == 25
 
 
+def test_the_ramp_is_shared_by_the_hosts_client_facing_processes():
+    """Each of a host's client-facing processes lets in its share of the unmeasured ramp: together they
+    let in what one process would."""
+    caps = [Capacity(cores=2, max_load=0.75, max_process_load=0.9, processes=3) for _ in range(3)]
+    admitted = 0
+    for n in range(40):   # opens arriving at the three in turn, each counting the host's sessions
+        admitted += caps[n % 3].refuse(0.0, admitted) is None
+    assert admitted == 3 * round(2 * RAMP / 3)
+
+
 def test_sessions_that_close_make_room_at_once():
     cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
     host = Host(cap, {"frontend": 0.05, "cpu0": 0.05}, {"frontend": 0.0, "cpu0": 0.0})

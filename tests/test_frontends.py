@@ -86,7 +86,8 @@ def test_live_sessions_on_every_process_speak_through_the_shared_workers(tmp_pat
     """16 sessions (all on one process: 1 in 30,000), each speaking six windows: every one of their speech
     frames is the frame the batch API gives for the same window and frame."""
     port = free_ports(2)
-    cfg = base_config(models, **{"frontend.processes": 2, "metrics.port": port})
+    # (admission off: 16 opens at once pass the unmeasured ramp of a host of one core)
+    cfg = base_config(models, **{"frontend.processes": 2, "metrics.port": port, "sessions.max_cpu_load": 0})
     windows = np.random.default_rng(5).standard_normal((6, 32, 16, 16)).astype(np.float32)
     with run_server(tmp_path, cfg) as srv:
         sessions = [Session(srv.endpoint, "fast", format="png", timeout_s=60) for _ in range(16)]
@@ -162,6 +163,56 @@ def test_a_killed_process_takes_only_its_own_requests_and_comes_back(tmp_path, m
         for c in clients.values():
             assert c.composite("slow", SLOW)[1] == want
             c.close()
+
+
+def _open_until_busy(endpoint: str, most: int) -> tuple[list[Session], int]:
+    """Sessions opened, each on a connection of its own, until `most` tries: (those opened, those busy)."""
+    opened, busy = [], 0
+    for _ in range(most):
+        try:
+            opened.append(Session(endpoint, "fast", format="png", timeout_s=60))
+        except ServerError as err:
+            if err.code == "unavailable":   # (a process starting again)
+                continue
+            assert err.code == "busy" and "on this host (sessions.max_sessions)" in err.message, err
+            busy += 1
+    return opened, busy
+
+
+def test_max_sessions_holds_for_the_host_over_every_process(tmp_path, models):
+    """sessions.max_sessions counts the sessions of every client-facing process (shm/board.py), not each
+    one's own (16 tries over two processes: each would let in 4); a process killed with its sessions
+    leaves their room to the other at once, before it is started again."""
+    port = free_ports(2)
+    cfg = base_config(models, **{"frontend.processes": 2, "metrics.port": port, "sessions.max_sessions": 4,
+                                 "supervisor.restart_backoff_s": 600})   # (the killed one stays down 30 s)
+    with run_server(tmp_path, cfg) as srv:
+        sessions, busy = _open_until_busy(srv.endpoint, 16)
+        try:
+            assert (len(sessions), busy) == (4, 12)
+            held = [int(_metric(port + i, "lipsync_sessions_open")) for i in (0, 1)]
+            assert sum(held) == 4, held
+            victim = 0 if held[0] >= held[1] else 1
+            pid = next(p.pid for p in psutil.Process(srv.proc.pid).children() if p.name() == f"lsync-frontend{victim}")
+            os.kill(pid, signal.SIGKILL)
+            psutil.Process(pid).wait(30)
+            more: list = []
+            name = f"lsync-frontend{victim}"
+            while len(more) < held[victim]:   # (the supervisor sees the death a moment later)
+                assert not any(p.name() == name for p in psutil.Process(srv.proc.pid).children()), \
+                    f"the survivor let in {len(more)} of {held[victim]} sessions before the other came back"
+                got, _ = _open_until_busy(srv.endpoint, 4)
+                more += got
+                sessions += got
+                time.sleep(0.2)
+            assert len(more) == held[victim], (held, len(more))
+            assert _open_until_busy(srv.endpoint, 2)[1] == 2
+        finally:
+            for s in sessions:
+                try:
+                    s.close()
+                except (ServerError, ClientTimeout):   # (one the killed process held)
+                    pass
 
 
 def test_an_edges_processes_each_get_their_own_answers_from_the_gpu_host(tmp_path, models):

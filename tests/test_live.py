@@ -25,6 +25,7 @@ from frontend.live.h264_stream import ENCODE_AHEAD_FRAMES
 from frontend.live.service import Live, Pin
 from frontend.live.speech import SpeechBatch
 from frontend.metrics import Metrics
+from shm.board import Board
 from shm.codes import ErrorCode, ProcState
 from shm.messages import RenderIdle
 
@@ -663,3 +664,60 @@ def test_a_session_that_starts_to_speak_past_what_the_host_holds_is_shed_before_
     rendered = [token for r in host.of(Kind.COMPOSITE, SpeechBatch) for token, _, _ in r.work.targets]
     assert sorted(set(rendered)) == sorted(tokens[:2]) and len(rendered) == 8, "its speech is never rendered"
     assert all(s.stats.missed == 0 for s in sessions)
+
+
+@pytest.fixture
+def board(shm_name):
+    """The sessions board of a host of two client-facing processes (shm/board.py): rows 0 and 1."""
+    owner = Board.create(shm_name, 2)
+    rows = [Board.attach(shm_name, i) for i in (0, 1)]
+    yield rows
+    for b in rows:
+        b.close()
+    owner.close(unlink=True)
+
+
+def test_the_sessions_of_every_client_facing_process_count_toward_max_sessions(board):
+    """Two processes of one host, each its own Live: sessions.max_sessions holds for the host, not for each
+    (each would let in max_sessions of its own); a session closed on one makes room on the other."""
+    config = parse_config({"sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, "max_sessions": 3}})
+    clock = VirtualClock()
+    a, b = (Live(RecordingHost(), config, Metrics(), clock=clock, board=row) for row in board)
+    pa = [Peer("a0"), Peer("a1")]
+    tokens = [_open(a, p) for p in pa]
+    _open(b, Peer("b0"))
+    for live, name in ((a, "a2"), (b, "b1")):
+        with pytest.raises(RequestError) as err:
+            _open(live, Peer(name))
+        assert err.value.code is ErrorCode.BUSY and "3 sessions are open on this host" in err.value.message
+    a.handle(_call("session_close", pa[0], session=tokens[0]), [])
+    _open(b, Peer("b2"))
+    assert (len(a.table), len(b.table)) == (1, 2)
+    # a process that starts again (its predecessor killed with its sessions) counts none of them
+    board[0].close()
+    board[0] = Board.attach(b.board.name, 0)
+    assert b._others().sessions == 0
+
+
+def test_a_session_starting_to_speak_is_shed_past_the_speakers_the_host_holds_over_every_process(board):
+    """Speakers held (live/capacity.py) are the host's: a process whose own sessions are few sheds its
+    starting speaker when the other process's speakers fill the host already."""
+    from frontend.live.shedding import FULL, NONE
+    config = parse_config({"sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, "max_cpu_load": 0,
+                                        "max_queued_frames": 1000}})
+    clock = VirtualClock()
+    a, b = (Live(RecordingHost(), config, Metrics(), clock=clock, cpu=lambda: {"frontend0": 0.0, "cpu0": 0.0},
+                 cores=2, board=row) for row in board)
+    for live in (a, b):   # made-up fitted costs, as the host's: its compositor's core holds 2 speaking
+        live.capacity.per_session = {"frontend0": 0.0, "cpu0": 0.0}
+        live.capacity.per_frame = {"frontend0": 0.0, "cpu0": 0.018}
+        live.capacity.load = Load({"frontend0": 0.1, "cpu0": 0.9}, 3)
+    pa = [Peer("a0"), Peer("a1")]
+    ta = [_open(a, p) for p in pa]
+    pb = Peer("b0")
+    tb = _open(b, pb)
+    for p, t in zip(pa, ta):
+        _audio(a, p, t, 4)
+    assert [a.table.get(t).shed for t in ta] == [FULL, FULL]
+    _audio(b, pb, tb, 4)
+    assert b.table.get(tb).shed == NONE, "two speak on the host already: the third is shed at once"

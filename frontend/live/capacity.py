@@ -21,7 +21,8 @@ only with the opens' fitted share taken out; while the history cannot tell the t
 cost measured stands.
 
 Until a session's cost has been measured (a fresh server, or one whose every window had opens in it),
-at most RAMP sessions per core per window are let in (of those, the ones still open: a session that
+at most RAMP sessions per core per window are let in (each of a host's client-facing processes lets
+in its share) (of those, the ones still open: a session that
 closed again costs nothing), and none while the measured load is past `max_load`, so that a burst of
 opens on an idle host is measured before it is all admitted. Sessions opened since the window's start
 count at the last known cost.
@@ -87,7 +88,10 @@ class Load:
 class Capacity:
     def __init__(self, cores: float, max_load: float, max_process_load: float, window_s: float = 2.0,
                  single_threaded: Callable[[str], bool] = lambda name: True, speaking_share: float = 0.0,
-                 fps: float = 25.0, burst_share: float = 0.0, max_burst_load: float = 1.0):
+                 fps: float = 25.0, burst_share: float = 0.0, max_burst_load: float = 1.0, processes: int = 1):
+        """`processes`: the host's client-facing processes, each admitting with a Capacity of its own over
+        the host's sessions (shm/board.py): each lets in its share of RAMP."""
+        self.processes = max(processes, 1)
         self.cores, self.max_load, self.max_process_load = cores, max_load, max_process_load
         self.window_s = window_s
         self._single = single_threaded
@@ -210,7 +214,7 @@ class Capacity:
         while admitted and now - admitted[0] >= self.window_s:
             admitted.popleft()
         unmeasured = min(len(admitted), sessions)   # at most all the sessions open now: some closed again
-        if unmeasured >= max(round(RAMP * self.cores), 1):
+        if unmeasured >= max(round(RAMP * self.cores / self.processes), 1):
             return Busy(f"{unmeasured} sessions opened in the last {self.window_s:g} s before their cost "
                         "on this server was measured; retry shortly", retry)
         admitted.append(now)
@@ -357,6 +361,12 @@ class ProcessCpu:
                 self._procs[name] = psutil.Process(pid)
             except psutil.Error:
                 pass
+
+    def follow(self, name: str, pid: int) -> None:
+        """Track `name` as `pid` unless it is tracked as that pid already (a pid read again and again)."""
+        proc = self._procs.get(name)
+        if proc is None or proc.pid != pid:
+            self.track(name, pid)
 
     def read(self) -> dict[str, float]:
         import psutil

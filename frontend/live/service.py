@@ -31,6 +31,7 @@ from frontend.live.idle import IdleCache, frame_bytes
 from frontend.live.shedding import LEVELS, NONE, WINDOW_S, Shedder
 from frontend.live.speech import SpeechBatcher
 from frontend.live.timeline import LiveSession, SessionTable, on_frame_grid
+from shm.board import OPENS, SESSIONS, SPEAKING, SPEECH_FRAMES, Board, HostCounts
 from shm.codes import ErrorCode
 from shm.messages import RenderIdle
 
@@ -95,10 +96,13 @@ class Pin:
 
 class Live:
     def __init__(self, host: Host, config: Any, metrics: Any, viewer: Any = None, clock: Clock = LOOP_CLOCK,
-                 cpu: Optional[Callable[[], Mapping[str, float]]] = None, cores: Optional[float] = None):
+                 cpu: Optional[Callable[[], Mapping[str, float]]] = None, cores: Optional[float] = None,
+                 board: Optional[Board] = None):
         """`cpu`: the CPU seconds each of the host's server processes has used so far (named frontend,
         cpuN, gpuN); with it, session_open is refused `busy` past the host's capacity (live/capacity.py)
-        on `cores` (default: what this process may use)."""
+        on `cores` (default: what this process may use). `board`: the host's other client-facing
+        processes' sessions (shm/board.py), counted with this one's by admission, sessions.max_sessions
+        and shedding; None: this process is the host's only one."""
         self.host, self.config, self.metrics, self.viewer = host, config, metrics, viewer
         self.clock = clock   # every time read and timer set here: the loop's, or a test's virtual one
         self.cfg = config.sessions
@@ -106,10 +110,14 @@ class Live:
         self.capacity = (Capacity(cores or host_cores(), self.cfg.max_cpu_load, self.cfg.max_process_load,
                                   single_threaded=lambda name: not name.startswith("gpu"),
                                   speaking_share=self.cfg.speaking_share, fps=self.cfg.fps,
-                                  burst_share=self.cfg.burst_share, max_burst_load=self.cfg.max_burst_load)
+                                  burst_share=self.cfg.burst_share, max_burst_load=self.cfg.max_burst_load,
+                                  processes=board.processes if board is not None else 1)
                          if cpu is not None and (self.cfg.max_cpu_load > 0 or self.cfg.shed_speech) else None)
-        self._speech_sent = 0   # speech frames rendered and sent, all sessions (what the capacity model fits)
-        self._opens = 0         # sessions whose opening began (its warm-up: a cost apart from holding it)
+        self.board = board
+        # speech frames rendered and sent, all sessions (what the capacity model fits), and sessions whose
+        # opening began (its warm-up: a cost apart from holding it); on a board, counted on from its row
+        self._speech_sent = board.get(SPEECH_FRAMES) if board is not None else 0
+        self._opens = board.get(OPENS) if board is not None else 0
         self._sampler: Any = None   # the timer of the next CPU sample, once the first session_open came
         self.shedder = Shedder() if self.cfg.shed_speech else None
         self._shed_timer: Any = None   # the next shedding window, while sessions are open
@@ -211,6 +219,7 @@ class Live:
                                                        f"model {spec.id} was not ready to stream within {timeout_s:g}s "
                                                        "(limits.request_timeout_s); retry")), fmt, now)
         self._opens += 1
+        self._publish()
         self.host.submit(Request(Kind.LOAD, spec.id, deadline=now + timeout_s, work=Pin(session.token, self),
                                  pin=1))
         self._prefetch(session)
@@ -222,13 +231,25 @@ class Live:
         self._check_open(opening)
         return None
 
+    def _others(self) -> HostCounts:
+        """The host's other client-facing processes' sessions (none without a board)."""
+        return self.board.others() if self.board is not None else HostCounts()
+
+    def _publish(self) -> None:
+        """This process's sessions (held or opening) and counts, for the host's other client-facing
+        processes' admission."""
+        if self.board is not None:
+            self.board.set(SESSIONS, len(self.table) + len(self._opening))
+            self.board.set(OPENS, self._opens)
+
     def _admit(self, request_id) -> None:
-        """Refuse a session_open `busy` past sessions.max_sessions, or past the host's measured capacity."""
-        opened = len(self.table) + len(self._opening)
+        """Refuse a session_open `busy` past sessions.max_sessions, or past the host's measured capacity,
+        counting the sessions of every client-facing process of the host."""
+        opened = len(self.table) + len(self._opening) + self._others().sessions
         if opened >= self.cfg.max_sessions:
             self._refused.inc()
-            raise RequestError(ErrorCode.BUSY, f"{opened} sessions are open (sessions.max_sessions); retry later or "
-                               "on another server", request_id, retry_after_s=BUSY_RETRY_S)
+            raise RequestError(ErrorCode.BUSY, f"{opened} sessions are open on this host (sessions.max_sessions); "
+                               "retry later or on another server", request_id, retry_after_s=BUSY_RETRY_S)
         if self.capacity is None:
             return
         if self._sampler is None:
@@ -242,7 +263,9 @@ class Live:
 
     def _sample(self) -> None:
         now = self.clock.now()
-        self.capacity.sample(now, self._cpu(), len(self.table), self._speech_sent, self._opens)
+        others = self._others()
+        self.capacity.sample(now, self._cpu(), len(self.table) + others.sessions, self._speech_sent + others.speech_frames,
+                             self._opens + others.opens)
         if self.capacity.load is not None:
             self._cpu_load.set(self.capacity.load.total / self.capacity.cores)
         self._sampler = self.clock.call_at(now + SAMPLE_S, self._sample)
@@ -252,8 +275,11 @@ class Live:
         when frames were missed, late or tight; steps are given back after calm windows."""
         sessions = self.table.sessions()   # oldest first
         now = self.clock.now()
-        held = self.capacity.speakers_held(len(sessions)) if self.capacity is not None else None
-        room = None if held is None else held - len(self._speaking(sessions, now))
+        speaking, others = len(self._speaking(sessions, now)), self._others()
+        if self.board is not None:
+            self.board.set(SPEAKING, speaking)
+        held = self.capacity.speakers_held(len(sessions) + others.sessions) if self.capacity is not None else None
+        room = None if held is None else held - speaking - others.speaking
         changes = self.shedder.window(sessions, room)
         self._log_shed(changes, sessions)
         self._shed_timer = self.clock.call_at(now + WINDOW_S, self._shed) if sessions else None
@@ -264,11 +290,13 @@ class Live:
         if (self.shedder is None or self.capacity is None or session.shed == NONE
                 or session.speech_end > session.now_index(now)):
             return   # (shed already, or speaking already: counted when it started)
-        sessions = self.table.sessions()
-        held = self.capacity.speakers_held(len(sessions))
+        sessions, others = self.table.sessions(), self._others()
+        held = self.capacity.speakers_held(len(sessions) + others.sessions)
         speaking = self._speaking(sessions, now, starting=session)
-        if held is not None and len(speaking) > held:
-            self._log_shed(self.shedder.crowd(speaking, held), sessions)
+        if self.board is not None:
+            self.board.set(SPEAKING, len(speaking))
+        if held is not None and len(speaking) + others.speaking > held:
+            self._log_shed(self.shedder.crowd(speaking, held, others.speaking), sessions)
 
     @staticmethod
     def _speaking(sessions: list[LiveSession], now: float, starting: Optional[LiveSession] = None) -> list:
@@ -315,6 +343,7 @@ class Live:
             return
         opening.timer.cancel()
         self._release(opening.session)
+        self._publish()
         self.host.send(opening.call.reply_to, P.error_reply(opening.call.header.id, code, message))
 
     def _opens_failed(self, keys, code, message: str) -> None:
@@ -393,6 +422,7 @@ class Live:
         self.table.pop(session.token)
         self.queued.closed(session.token)
         self.metrics.sessions_open.set(len(self.table))
+        self._publish()
 
     def _release(self, session: LiveSession) -> None:
         """What a session holds beyond its frames: its model's pin, its H.264 encoder."""
@@ -425,6 +455,7 @@ class Live:
             del self._opening[opening.session.token]
             opening.timer.cancel()
             self._release(opening.session)
+        self._publish()
 
     # -- engine results (each request's work calls the one for its kind) -------------------------
 
@@ -585,6 +616,8 @@ class Live:
                 counts["shed"] += 1
             elif frame.kind == "speech":
                 self._speech_sent += 1
+        if self.board is not None and counts["speech"]:
+            self.board.set(SPEECH_FRAMES, self._speech_sent)
         for kind, n in counts.items():
             if n:
                 self._counted[kind].inc(n)

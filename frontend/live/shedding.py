@@ -78,12 +78,14 @@ class Shedder:
         self.calm = 0
         self.settling = False          # steps were taken last window: their effect is not measured yet
 
-    def crowd(self, speaking: list[Shed], held: int) -> list[Change]:
+    def crowd(self, speaking: list[Shed], held: int, others: int = 0) -> list[Change]:
         """`speaking`: the sessions speaking once one more starts (oldest first, none shed to NONE); past
-        the `held` the host can hold speaking at once, the newest give up their speech now. Never the
-        oldest one speaking."""
-        over = len(speaking) - max(held, 1)
-        victims = list(reversed(speaking[1:]))[:max(over, 0)]
+        the `held` the host can hold speaking at once, the newest give up their speech now. `others`: the
+        sessions speaking on the host's other client-facing processes, which hold their share of `held`.
+        Never the host's oldest one speaking (this process's oldest, while no other process has one)."""
+        keep = 0 if others else 1
+        over = len(speaking) - max(held - others, keep)
+        victims = list(reversed(speaking[keep:]))[:max(over, 0)]
         for victim in victims:   # every level it gives up is a step to give back
             self.steps += [victim.token] * (1 if victim.shed_whole else NONE - victim.shed)
             victim.shed = NONE

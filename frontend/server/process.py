@@ -39,6 +39,7 @@ from frontend.server.calls import ReplyTo, Tenant
 from frontend.server.catalog import Catalog
 from frontend.server.intake import Intake
 from frontend.server.replies import Replies
+from shm.board import PID, Board
 from shm.child import bind_endpoint, bind_shared, child_main, listen_tcp
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import RunSpec, make_socket
@@ -109,10 +110,15 @@ class Frontend(Shell):
                                           "(0: no viewer; process i of frontend.processes listens on viewer.port + i)")
                                if config.viewer.port else [])
         # session_open is refused `busy` past what this host's cores hold (live/capacity.py): by the CPU
-        # time of the server's processes here, this one and those the supervisor reports (_process_event)
+        # time of the server's processes here, this one, the host's other client-facing processes (their
+        # pids on the board) and those the supervisor reports (_process_event), and by the sessions of
+        # every client-facing process (the board: shm/board.py)
+        self.board = Board.attach(run.board, index) if run.board else None
+        if self.board is not None:
+            self.board.set(PID, os.getpid())
         self.cpu = ProcessCpu()
-        self.cpu.track("frontend", os.getpid())
-        self.live = Live(self, config, self.metrics, cpu=self.cpu.read)
+        self.cpu.track(self._frontend_name(index), os.getpid())
+        self.live = Live(self, config, self.metrics, cpu=self._cpu_seconds, board=self.board)
         self.intake = Intake(self, self.live, self.tenants)
         self.deadlines = Alarm(self._on_deadline)
         # The workers' and compositors' messages, by type (anything else is ignored)
@@ -121,6 +127,17 @@ class Frontend(Shell):
                           ModelEvent: self._model_event, ProcessEvent: self._process_event, StepDone: self._step_done}
         # (process i of frontend.processes: metrics.port + i)
         self.metrics.serve(config.metrics.host, config.metrics.port + index if config.metrics.port else 0, self.readiness)
+
+    def _frontend_name(self, index: int) -> str:
+        """Client-facing process `index`'s name in admission's CPU counts (and its messages)."""
+        return f"frontend{index}" if self.config.frontend.processes > 1 else "frontend"
+
+    def _cpu_seconds(self) -> dict[str, float]:
+        """The CPU seconds of the server's processes on this host (admission's, live/capacity.py)."""
+        if self.board is not None:
+            for row, pid in self.board.pids().items():
+                self.cpu.follow(self._frontend_name(row), pid)
+        return self.cpu.read()
 
     def readiness(self) -> tuple[str, Optional[str]]:
         """/readyz (frontend/probes.readiness). On an edge, one GPU host that is ready is enough.
@@ -168,6 +185,8 @@ class Frontend(Shell):
             sock.close(linger=0)
         for ring in [*self.input_rings, *self.outputs]:
             ring.close()
+        if self.board is not None:
+            self.board.close()
 
     async def _main(self) -> None:
         internal = Reader(self.pull.FD, lambda: _take(self.pull, self._internal))   # from workers, compositors
