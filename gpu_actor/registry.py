@@ -30,7 +30,7 @@ from gpu_actor.architectures import Architectures
 from gpu_actor.onnx_sessions import out_of_memory
 from gpu_actor.own_session import OwnSessions
 from gpu_actor.runner import Loader, Runner
-from shm.requests import same_owner_below
+from shm.requests import owner_of, same_owner_below
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,13 @@ class Registry:
         until the process that pinned it restarts (`drop_pins_below`)."""
         self.pins.setdefault(model, []).append(req)
 
-    def unpin(self, model: str) -> None:
+    def unpin(self, model: str, req: int = 0) -> None:
+        """A session of the process that made request `req` closed: one of that process's pins of `model`
+        goes (another process's stay, for its restart to drop)."""
         reqs = self.pins.get(model)
-        if reqs:
-            reqs.pop()
+        mine = [i for i, pinned in enumerate(reqs or ()) if owner_of(pinned) == owner_of(req)]
+        if mine:
+            del reqs[mine[-1]]
             if not reqs:
                 del self.pins[model]
 

@@ -7,7 +7,13 @@ slot once. Heartbeats tell it when a host goes away (its requests then get `unav
 frontend) and when it is back (used again, no restart of the edge). A host that shuts down says so
 in its heartbeat answers (`draining`: new work is refused here at once), answers what it has, and
 sends Goodbye: it is then `stopped`, and whatever it did not answer gets `unavailable` saying that it
-shut down, never taken for a lost host. The GPU host's end is frontend/bridge/process.py. Everything
+shut down, never taken for a lost host.
+
+Live sessions' pins: it counts the pins the host answered, per model and frontend process, and sends
+them all (`Pins`) each time it finds the host ready, so that a bridge process that never had them (one
+that took the connection over from a dead one, a restarted host, a DNS slot's new host) or that dropped
+them (the edge silent for a while) keeps the sessions' models loaded; and again after a frontend of
+the edge restarted, whose sessions' pins went with it. The GPU host's end is frontend/bridge/process.py. Everything
 the host sends is checked like a client request: a malformed or unexpected message is logged and
 dropped, never fatal.
 """
@@ -31,10 +37,10 @@ from gpu_actor.handoff import acquire_slot, hand_off, route
 from shm.child import child_main
 from shm.codes import ErrorCode, ProcState
 from shm.endpoints import Owners, RunSpec, make_socket, network_socket
-from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent,
-                          ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel, unpack,
-                          pack)
-from shm.requests import same_owner_below
+from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Pins, Ping, Pong,
+                          ProcessEvent, ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel,
+                          unpack, pack)
+from shm.requests import owner_of, same_owner_below
 from shm.ring import RingError, SlotRing, SlotRings
 
 log = logging.getLogger(__name__)
@@ -77,6 +83,8 @@ class RemoteWorker:
         self._next_report = 0.0
         self._host_stopping = False   # the host said it is shutting down (a Pong's `draining`, its Goodbye)
         self._epoch = 0   # the answering bridge process (Pong.epoch); 0: none heard yet
+        self._pins: dict[str, list[int]] = {}   # model -> the requests whose pins the host answered
+        self._pinning: dict[int, str] = {}      # pins asked for, not answered yet: request -> model
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: lambda m: self.outputs.release_request(m.req),
                           StatsQuery: lambda m: self._send_host([pack(m)]),   # the host answers for all its workers
@@ -234,7 +242,13 @@ class RemoteWorker:
         self.pending[msg.req] = msg
 
     def _model_op(self, msg) -> None:   # LoadModel, UnloadModel: the host answers
-        if not self._send_host([pack(msg)]):
+        pin = msg.pin if isinstance(msg, LoadModel) else 0
+        if pin > 0:
+            self._pinning[msg.req] = msg.model
+        elif pin < 0:   # (no answer)
+            self._drop_pin(msg.model, owner_of(msg.req))
+        if not self._send_host([pack(msg)]) and pin >= 0:
+            self._pinning.pop(msg.req, None)
             self.to_frontend.send(msg.req, pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
                                                 code=ErrorCode.UNAVAILABLE,
                                                 message=f"GPU host {self.endpoint} is unreachable")))
@@ -245,6 +259,31 @@ class RemoteWorker:
         for req in [req for req in self.pending if same_owner_below(req, msg.floor)]:
             del self.pending[req]
         self.outputs.release_below(msg.floor)
+        for req in [req for req in self._pinning if same_owner_below(req, msg.floor)]:
+            del self._pinning[req]
+        dropped = 0
+        for model, reqs in list(self._pins.items()):   # its sessions' pins went with it
+            kept = [req for req in reqs if not same_owner_below(req, msg.floor)]
+            dropped += len(reqs) - len(kept)
+            if kept:
+                self._pins[model] = kept
+            else:
+                del self._pins[model]
+        if dropped and self.state is ProcState.READY:
+            self._send_pins()
+
+    def _drop_pin(self, model: str, owner: int) -> None:
+        """A session of frontend process `owner` closed: one of its pins of `model` goes."""
+        reqs = self._pins.get(model, [])
+        mine = [i for i, req in enumerate(reqs) if owner_of(req) == owner]
+        if mine:
+            del reqs[mine[-1]]
+            if not reqs:
+                del self._pins[model]
+
+    def _send_pins(self) -> None:
+        """Every pin this edge's sessions hold on the host: the bridge matches them (shm/messages.py Pins)."""
+        self._send_host([pack(Pins(models={model: len(reqs) for model, reqs in self._pins.items()}))])
 
     def _done(self, req: int, code: ErrorCode, message: str) -> None:
         self.to_frontend.send(req, pack(InferDone(req=req, worker=self.index, ok=False, code=code, message=message)))
@@ -282,9 +321,14 @@ class RemoteWorker:
             if self.state is not None or state is not ProcState.READY or self.watcher is not None:
                 self._report(state)   # (a DNS slot says which host it now is)
             self.state = state
+            if state is ProcState.READY:
+                self._send_pins()
         self._sync_models({m for m in msg.loaded if valid_model_id(m)})
 
     def _to_frontend(self, msg, data: list) -> None:   # LoadDone, StatsReport: as this worker's
+        model = self._pinning.pop(msg.req, None) if isinstance(msg, LoadDone) else None
+        if model is not None and msg.ok:
+            self._pins.setdefault(model, []).append(msg.req)
         self.to_frontend.send(msg.req, pack(msgspec.structs.replace(msg, worker=self.index)))
 
     def _goodbye(self) -> None:   # after its last replies: the host closes once it has this answer

@@ -239,7 +239,7 @@ class InferenceWorker:
 
     def _load_op(self, msg: LoadModel) -> None:
         if msg.pin < 0:   # a live session closed: the model may be evicted again (no answer)
-            self.registry.unpin(msg.model)
+            self.registry.unpin(msg.model, msg.req)
             return
         if msg.pin > 0:
             self.registry.pin(msg.model, msg.req)

@@ -339,10 +339,18 @@ class Goodbye(_Msg):
     arrives only after them."""
 
 
+class Pins(_Msg):
+    """Edge -> GPU host: every pin the edge's live sessions hold on the host, by model (no answer). The
+    bridge pins or releases to match, for this edge: sent each time the edge finds the host ready (a
+    bridge process it had not reached, or one that lost it for a while, may hold others), and when a
+    frontend of the edge restarted (its sessions' pins went with it)."""
+    models: dict[str, int]
+
+
 Message = Union[
     InferTask, ReleaseTask, LoadModel, UnloadModel, StatsQuery, ResetRequests, CompositeTask, InferDone, StepDone,
     CompositeDone, ReleaseImages, LoadDone, ModelEvent, StatsReport, Ready, Fatal, ProcessEvent, Ping, Pong,
-    Goodbye, RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
+    Goodbye, Pins, RemoteInfer, RenderIdle, EncodeFrames, EncodeLoop, CloseEncoder,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

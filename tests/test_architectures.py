@@ -347,3 +347,21 @@ def test_both_loaders_and_their_runners_honour_the_runner_contract(tmp_path):
         assert list(inspect.signature(type(runner).run).parameters) == want, type(runner)
         with pytest.raises(AssetError, match=r"audio must be \[2, 32, 16, 16\], got \[2, 32, 16\]"):
             runner.run(*_inputs(2)[:1], np.zeros((2, 32, 16), np.float32), np.empty((2, 3, 320, 320), np.float32))
+
+
+def test_a_session_closing_releases_its_own_processes_pin_and_a_restart_only_its_own():
+    """Two client-facing processes pin the same model (their live sessions): a session of the first
+    closing releases the first's pin, so the second's restart drops the second's and the model is held
+    no more (before, an unpin took the newest pin whoever made it, and the first's stayed for good)."""
+    from shm.requests import first_id
+    reg = Registry(StandInDevice(0.0), InferenceConfig(max_models_per_worker=8, intra_op_threads=1), 2,
+                   lambda m: None, lambda *e: None, lambda: None)
+    a, b = first_id(0, 1000), first_id(1, 1000)
+    reg.pin("m", a + 5)
+    reg.pin("m", b + 7)
+    reg.unpin("m", a)                      # (an unpin carries its process's first id)
+    assert reg.pins == {"m": [b + 7]}
+    reg.unpin("m", a)                      # none of the first's left: nothing goes
+    assert reg.pins == {"m": [b + 7]}
+    assert reg.drop_pins_below(first_id(1, 2000)) == 1 and reg.pins == {}
+    reg.close()

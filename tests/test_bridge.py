@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from lipsync_client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
@@ -215,7 +216,7 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
     import msgspec
     import zmq
 
-    from shm.messages import InferDone, Ping, Pong, RemoteInfer, pack
+    from shm.messages import InferDone, Pins, Ping, Pong, RemoteInfer, pack
 
     port = free_port()
     with gpu_host(tmp_path, gpu_config(models, keys, port)) as (_, gpu_log):
@@ -242,7 +243,8 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
                         break
                 assert time.monotonic() < deadline, "the GPU host never had a ready worker"
             for frames in ([b"\xff\x00garbage"], [msgspec.msgpack.encode(["Ping"])], [pack(Pong(sent=0, loaded=[]))],
-                           [pack(InferDone(req=3, worker=0, ok=True))], []):
+                           [pack(InferDone(req=3, worker=0, ok=True))], [],
+                           [pack(Pins(models={"../etc": 1}))], [pack(Pins(models={"a": 1 << 40}))]):
                 sock.send_multipart(frames if frames else [b""])
             refused = {2: infer(req=2, batch=99, frames=[0] * 99), 4: infer(req=4, audio_shape=(1 << 20,)),
                        5: infer(req=5), 6: infer(req=6, frames=[10_000])}
@@ -263,6 +265,7 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
             ctx.term()
         log = gpu_log.read_text()
         assert "died" not in log and "dropped a malformed message from an edge" in log, log[-3000:]
+        assert "dropped an edge's pins" in log, log[-3000:]
 
 
 def _host_cost_s(c: Client, runs: int = 3) -> float:
@@ -355,3 +358,76 @@ def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, k
                 break
             assert time.monotonic() < deadline, "the closed session's pin was never released on the GPU host"
             time.sleep(0.2)
+
+
+def _evicts(c: Client, model: str, other: str = "b") -> bool:
+    """Whether loading `other` on a GPU host of one model a worker evicts `model` (it is not pinned)."""
+    c.composite(other, AUDIO)
+    c.unload(other)
+    c.composite(other, AUDIO)
+    return model not in c.stats()["workers"][0]["loaded"]
+
+
+def test_an_edge_frontend_killed_with_a_session_open_leaves_no_pin_on_the_gpu_host(tmp_path, models, keys):
+    """The edge's frontend dies with a live session open on `a`: the session is gone, and so is its pin on
+    the GPU host (the edge's forwarder drops that process's pins and says so, Pins), so `a` may be
+    evicted again there (before, it stayed pinned until the edge's forwarder restarted)."""
+    from lipsync_client import Session
+    port = free_port()
+    host_cfg = gpu_config(models, keys, port)
+    host_cfg["inference"]["max_models_per_worker"] = 1
+    with gpu_host(tmp_path, host_cfg), run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge:
+        with edge.client() as c:
+            _remote_ready(c)
+            s = Session(edge.endpoint, "a", timeout_s=5)
+            deadline = time.monotonic() + 30
+            while "a" not in c.stats()["workers"][0]["loaded"]:
+                assert time.monotonic() < deadline, "the session's model was never loaded on the GPU host"
+                time.sleep(0.2)
+            assert not _evicts(c, "a"), "a live session's model was evicted"
+            old = edge.pids("frontend")[0]
+        os.kill(old, signal.SIGKILL)
+        edge.restarted("frontend", old)
+        s.__exit__(None, None, None)   # (the new frontend does not know it)
+        with edge.client() as c:
+            deadline = time.monotonic() + 30
+            while not _evicts(c, "a"):
+                assert time.monotonic() < deadline, "the dead frontend's session still pins its model on the GPU host"
+                time.sleep(0.2)
+
+
+def test_a_gpu_hosts_bridge_restarted_under_a_session_pins_its_model_again(tmp_path, models, keys):
+    """The GPU host's bridge dies with an edge's live session open on `a`: its worker drops the dead
+    bridge's pins, and the edge, finding the host ready again, says which pins its sessions hold (Pins):
+    `a` stays pinned, and loading `b` does not evict it (before, it did: the session's next speech would
+    wait for a reload)."""
+    from lipsync_client import Session
+    port = free_port()
+    host_cfg = gpu_config(models, keys, port)
+    host_cfg["inference"]["max_models_per_worker"] = 1
+    with gpu_host(tmp_path, host_cfg) as (host, _), \
+            run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
+        _remote_ready(c)
+        with Session(edge.endpoint, "a", timeout_s=30) as s:
+            deadline = time.monotonic() + 30
+            while "a" not in c.stats()["workers"][0]["loaded"]:
+                assert time.monotonic() < deadline, "the session's model was never loaded on the GPU host"
+                time.sleep(0.2)
+            bridge = next(p for p in psutil.Process(host.pid).children() if p.name() == "lsync-bridge0")
+            os.kill(bridge.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while not [p for p in psutil.Process(host.pid).children()
+                       if p.name() == "lsync-bridge0" and p.pid != bridge.pid]:
+                assert time.monotonic() < deadline, "the GPU host's bridge was not restarted"
+                time.sleep(0.2)
+            while True:   # (answered unavailable until the edge finds the new bridge)
+                try:
+                    _remote_ready(c)
+                    if c.composite("a", AUDIO)[0]["ok"]:
+                        break
+                except ServerError:
+                    pass
+                assert time.monotonic() < deadline, "the edge never served through the new bridge"
+                time.sleep(0.2)
+            assert not _evicts(c, "a"), "the session's model lost its pin with the bridge"
+            s.send_audio(np.zeros((3, 32, 16, 16), np.float32))

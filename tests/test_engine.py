@@ -365,3 +365,13 @@ def test_requests_hold_the_input_room_their_inputs_take_and_the_most_urgent_wait
         assert room.take(0, second) and ring.slots_in_use() == 1
     finally:
         ring.close(unlink=True)
+
+
+def test_an_unpin_says_whose_pin_it_releases():
+    """A live session closing releases its own process's pin (the worker keeps one list of pins per
+    model from every client-facing process): the unpin carries the engine's first id, owner bits and all."""
+    from shm.requests import first_id, owner_of
+    e = Scheduler(["cpu0"], 1, CountedRoom(2), 4, first_id=first_id(3, 1000))
+    e.process_event("gpu", 0, ProcState.READY)
+    (send,) = e.unpin(0, "m")
+    assert isinstance(send.message, LoadModel) and send.message.pin == -1 and owner_of(send.message.req) == 3

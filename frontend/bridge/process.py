@@ -42,12 +42,13 @@ from frontend.core.slots import RingRoom
 from shm.child import CannotServe, bind_endpoint, bind_shared, child_main
 from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
-from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Ping, Pong, ProcessEvent, RemoteInfer,
-                          StatsQuery, StatsReport, UnloadModel, pack, unpack)
+from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Pins, Ping, Pong, ProcessEvent,
+                          RemoteInfer, StatsQuery, StatsReport, UnloadModel, pack, unpack)
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
-FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery, Goodbye)
+FROM_EDGE = (Ping, RemoteInfer, LoadModel, UnloadModel, StatsQuery, Goodbye, Pins)
+MAX_PINS = 65536     # pins of one model an edge may ask for (Pins): more sessions than a host holds
 # NOTE: below the edge's own wait (the engine's STATS_TIMEOUT_S), so that the edge gets this host's partial answer
 STATS_WAIT_S = 0.75 * STATS_TIMEOUT_S
 POLL_MS = 500
@@ -73,6 +74,21 @@ class EdgeCall:
 
     def failed(self, r: Request, code, message: str) -> None:
         self.bridge.refuse(self, code, message)
+
+
+@dataclass
+class Repin:
+    """The work of a pin the bridge makes to match an edge's `Pins`: no edge request waits for it."""
+
+    identity: bytes
+    bridge: "BridgeServer" = field(repr=False)
+
+    def done(self, r: Request) -> None:
+        self.bridge.repinned(self.identity, r)
+
+    def failed(self, r: Request, code, message: str) -> None:
+        self.bridge.repinned(self.identity, r)
+        log.warning("could not pin model %s again for an edge's live session: %s", r.model, message)
 
 
 class BridgeError(ValueError):
@@ -106,6 +122,7 @@ class BridgeServer(Shell):
                            STATS_WAIT_S, first_id=first_request_id(index))
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
+        self._repinning: dict[tuple[bytes, str], int] = {}    # (edge, model) -> pins asked for by its Pins, in flight
         self._edges_seen: dict[bytes, float] = {}
         self._next_pin_check = 0.0
         self._goodbye_until: Optional[float] = None
@@ -197,6 +214,10 @@ class BridgeServer(Shell):
             return
         if isinstance(msg, LoadModel) and msg.pin < 0:   # an edge's session closed (no answer)
             self._unpin(identity, msg.model)
+            return
+        if isinstance(msg, Pins):
+            if not self.draining:
+                self._match_pins(identity, msg.models)
             return
         call = EdgeCall(identity, msg.req, msg, self)
         if self.draining:
@@ -301,12 +322,42 @@ class BridgeServer(Shell):
                 architectures={key: arch for a in answers for key, arch in a.architectures.items()},
                 steps={k: sum(a.steps.get(k, 0) for a in answers) for k in {k for a in answers for k in a.steps}}))
         else:
-            if r.kind is Kind.LOAD and r.pin and r.results:
-                self._pins.setdefault((call.identity, r.model), []).append(r.results[0].worker)
+            if r.kind is Kind.LOAD and r.pin:
+                self.pinned(call.identity, r)
             self._send(call.identity, LoadDone(req=call.edge_req, worker=0, model=r.model, ok=True,
                                                load_ms=max((a.load_ms for a in r.results), default=0.0)))
 
     # -- live sessions' pins --------------------------------------------------------------------
+
+    def pinned(self, identity: bytes, r: Request) -> None:
+        """A load with a pin for an edge's session is done: the worker that holds it is the one to unpin."""
+        if r.results:
+            self._pins.setdefault((identity, r.model), []).append(r.results[0].worker)
+
+    def repinned(self, identity: bytes, r: Request) -> None:
+        """A pin asked for by an edge's Pins ended (pinned, or failed)."""
+        key = (identity, r.model)
+        self._repinning[key] -= 1
+        if not self._repinning[key]:
+            del self._repinning[key]
+        self.pinned(identity, r)
+
+    def _match_pins(self, identity: bytes, wanted: dict[str, int]) -> None:
+        """An edge says every pin its sessions hold here (Pins): pin what is missing, release the rest."""
+        bad = [m for m, n in wanted.items() if not valid_model_id(m) or not 0 <= n <= MAX_PINS]
+        if bad:
+            log.warning("dropped an edge's pins: model %r or its count is not valid", bad[0][:80])
+            return
+        now = time.monotonic()
+        for model in sorted({m for i, m in self._pins if i == identity} | set(wanted)):
+            key = (identity, model)
+            have = len(self._pins.get(key, ())) + self._repinning.get(key, 0)
+            for _ in range(have - wanted.get(model, 0)):
+                self._unpin(identity, model)
+            for _ in range(wanted.get(model, 0) - have):
+                self._repinning[key] = self._repinning.get(key, 0) + 1
+                self.apply(self.engine.submit(Request(Kind.LOAD, model, deadline=now + self.config.limits.request_timeout_s,
+                                                      work=Repin(identity, self), pin=1), now))
 
     def _unpin(self, identity: bytes, model: str) -> None:
         workers = self._pins.get((identity, model))

@@ -504,7 +504,8 @@ class Scheduler:
     def unpin(self, worker: int, model: str) -> list[Action]:
         """A live session closed: its model may be evicted from `worker` again."""
         w = self.workers[worker] if 0 <= worker < len(self.workers) else None
-        return [SendWorker(worker, LoadModel(req=0, model=model, pin=-1))] if w is not None and w.ready else []
+        # (req: this engine's first id: whose pin it releases, shm/requests.py)
+        return [SendWorker(worker, LoadModel(req=self.first_id, model=model, pin=-1))] if w is not None and w.ready else []
 
     def fail(self, req: int, code: Union[ErrorCode, str], message: str) -> list[Action]:
         """The shell could not carry an action out (e.g. writing the inputs failed)."""
