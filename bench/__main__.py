@@ -174,7 +174,8 @@ def main() -> int:
         if args.admission:
             print(f"  admission on (sessions.max_cpu_load 0.75): sessions asked for at once, {levels}")
             results["sessions"] = sessions.run_admission(models_dir, args.seconds, levels, fmt=args.format,
-                                                         budget_ms=args.budget_ms, shed=not args.no_shed)
+                                                         budget_ms=args.budget_ms, shed=not args.no_shed,
+                                                         frontends=args.frontends)
         else:
             pcm_levels = args.pcm_levels if args.pcm_levels is not None else (10, 20)
             results["sessions"] = sessions.run(models_dir, args.seconds, levels, args.silent, pcm_levels,

@@ -31,7 +31,7 @@ from lipsync_client import AsyncSession, ServerError
 from lipsync_client.commands import read_wav
 from gpu_actor.model_builder import write_audio_encoder, write_model
 from config.audio import write_speech
-from tests.helpers import base_config, free_port, free_ports, run_server
+from tests.helpers import base_config, free_ports, run_server
 
 FPS = 25.0
 MAX_IN_FLIGHT = 16   # a session's audio chunks sent and not yet answered
@@ -402,18 +402,20 @@ def run(demo_dir: str, seconds: float = 10.0, speaking=(10, 20, 30, 40), silent=
 
 
 def run_admission(demo_dir: str, seconds: float = 10.0, asked=(60, 80), fmt: str = "h264", budget_ms: int = 280,
-                  admit_s: float = 10.0, shed: bool = True) -> dict:
+                  admit_s: float = 10.0, shed: bool = True, frontends: int = 1) -> dict:
     """Past capacity, with the server's admission on (sessions.max_cpu_load at its default): each level
     asks for more sessions than the machine holds, all at once, each asking again when the server says
     (busy's retry_after_ms) for up to `admit_s`. How many got in, how many were refused, and the quality
-    of those that got in. A fresh server per level (its measured cost starts from nothing)."""
+    of those that got in. A fresh server per level (its measured cost starts from nothing). `frontends`:
+    its client-facing processes, which admit over the host's sessions together."""
     results = []
     for n in asked:
         root = Path(tempfile.mkdtemp(prefix="lsync-admission-"))
         try:
             models = _models(Path(demo_dir), root)
-            port = free_port()
-            cfg = base_config(models, **_settings(fmt, budget_ms, admission=True, shed=shed), **{"metrics.port": port})
+            port = free_ports(frontends)
+            cfg = base_config(models, **_settings(fmt, budget_ms, admission=True, shed=shed, frontends=frontends),
+                              **{"metrics.port": port})
             with run_server(root, cfg) as srv:
                 if fmt == "h264":   # the avatar's idle loop is encoded once, on its first sessions: not measured
                     asyncio.run(_level(srv.endpoint, 4, 4.0, 0.5, None, fmt))
