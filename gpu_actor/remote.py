@@ -122,6 +122,7 @@ class RemoteWorker:
         for req in list(self.pending):
             self._done(req, ErrorCode.UNAVAILABLE, f"GPU host {old} left (it is no longer behind its DNS name); retry")
         self.pending.clear()
+        self._pinning.clear()
         self._sync_models(set())
         self.endpoint, self._host_stopping = endpoint, False
         if endpoint is None:
@@ -186,6 +187,7 @@ class RemoteWorker:
                 log.warning("GPU host %s does not answer heartbeats", self.endpoint)
                 self.state = ProcState.UNREACHABLE
                 self.pending.clear()  # the frontend answers them all `unavailable`
+                self._pinning.clear()   # (their loads too: pinned again, if answered, by the next Pins)
                 self._report(self.state)
         elif now >= self._next_report and (self.state in (*gone, ProcState.STARTING)
                                            or (self.watcher is not None and self.state is not None)):
@@ -307,6 +309,7 @@ class RemoteWorker:
                             "one is lost", self.endpoint)
                 self.state = ProcState.UNREACHABLE
                 self.pending.clear()
+                self._pinning.clear()
                 self._report(self.state)
             self._epoch = msg.epoch
         if msg.draining and not self._host_stopping:
