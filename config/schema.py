@@ -32,11 +32,19 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 class TenantConfig(_Section):
     keys: tuple[str, ...]                # public key files (from `python -m supervisor keys`)
     models: tuple[str, ...] = ("*",)     # model ids this tenant may use; "*" = all
+    # live sessions this tenant's clients may hold open on this host at once (session_open past it:
+    # busy); None: only sessions.max_sessions, the host's
+    max_sessions: Optional[PosInt] = None
 
 
 class CurveConfig(_Section):
     secret_key: str                      # this server's secret key file
     tenants: dict[str, TenantConfig] = {}
+
+    def session_limits(self) -> dict[str, int]:
+        """The tenants with a session limit of their own, by name (sorted: the order of their columns
+        on the sessions board, shm/board.py)."""
+        return {name: t.max_sessions for name, t in sorted(self.tenants.items()) if t.max_sessions is not None}
 
 
 class FrontendConfig(_Section):

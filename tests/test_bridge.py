@@ -188,6 +188,35 @@ def test_tenants_reach_only_their_models(tmp_path, models, keys):
         assert "refused a client with unknown CURVE key" in srv.log.read_text()
 
 
+def test_a_tenant_holds_at_most_its_own_live_sessions_over_the_hosts_processes(tmp_path, models, keys):
+    """frontend.curve.tenants.alice.max_sessions 2, on a host of two client-facing processes: of eight
+    session_opens of alice's (each a connection of its own, spread over both), two get in and the rest get
+    `busy` naming the limit; bob's still get in; one of alice's closing makes room for one more."""
+    from lipsync_client import Session
+    curve = {"secret_key": str(keys / "server.key_secret"), "tenants": {
+        "alice": {"keys": [str(keys / "alice.key")], "max_sessions": 2},
+        "bob": {"keys": [str(keys / "bob.key")]}}}
+    alice = curve_keys(str(keys / "alice.key_secret"), str(keys / "server.key"))
+    bob = curve_keys(str(keys / "bob.key_secret"), str(keys / "server.key"))
+    cfg = base_config(models, **{"frontend.curve": curve, "frontend.processes": 2})
+    with run_server(tmp_path, cfg, curve=alice) as srv:
+        opened, busy = [], []
+        try:
+            for _ in range(8):
+                try:
+                    opened.append(Session(srv.endpoint, "a", curve=alice, timeout_s=30))
+                except ServerError as err:
+                    busy.append(err)
+            assert len(opened) == 2 and len(busy) == 6
+            assert all(e.code == "busy" and "tenants.alice.max_sessions" in e.message for e in busy), busy[0]
+            opened += [Session(srv.endpoint, "b", curve=bob, timeout_s=30) for _ in range(3)]
+            opened.pop(0).close()
+            opened.append(Session(srv.endpoint, "a", curve=alice, timeout_s=30))
+        finally:
+            for session in opened:
+                session.close()
+
+
 @pytest.mark.parametrize("skew_s", [1e6, -1e6], ids=["gpu host up longer", "gpu host up shorter"])
 def test_deadlines_hold_across_hosts_whose_clocks_differ(tmp_path, models, keys, skew_s):
     """Two hosts never share a monotonic clock: the GPU host reads its own 11.6 days ahead (or behind).

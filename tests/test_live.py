@@ -668,9 +668,10 @@ def test_a_session_that_starts_to_speak_past_what_the_host_holds_is_shed_before_
 
 @pytest.fixture
 def board(shm_name):
-    """The sessions board of a host of two client-facing processes (shm/board.py): rows 0 and 1."""
-    owner = Board.create(shm_name, 2)
-    rows = [Board.attach(shm_name, i) for i in (0, 1)]
+    """The sessions board of a host of two client-facing processes (shm/board.py): rows 0 and 1, and a
+    column for one tenant with a session limit."""
+    owner = Board.create(shm_name, 2, tenants=1)
+    rows = [Board.attach(shm_name, i, 2) for i in (0, 1)]
     yield rows
     for b in rows:
         b.close()
@@ -695,7 +696,7 @@ def test_the_sessions_of_every_client_facing_process_count_toward_max_sessions(b
     assert (len(a.table), len(b.table)) == (1, 2)
     # a process that starts again (its predecessor killed with its sessions) counts none of them
     board[0].close()
-    board[0] = Board.attach(b.board.name, 0)
+    board[0] = Board.attach(b.board.name, 0, 2)
     assert b._others().sessions == 0
 
 
@@ -721,3 +722,33 @@ def test_a_session_starting_to_speak_is_shed_past_the_speakers_the_host_holds_ov
     assert [a.table.get(t).shed for t in ta] == [FULL, FULL]
     _audio(b, pb, tb, 4)
     assert b.table.get(tb).shed == NONE, "two speak on the host already: the third is shed at once"
+
+
+def test_a_tenant_holds_at_most_its_own_sessions_over_every_process(board):
+    """frontend.curve.tenants.NAME.max_sessions: a tenant's clients get `busy` past its own limit, counted
+    over the host's client-facing processes, while another tenant (and the host) still has room; a
+    session of it that closes makes room for it again."""
+    from frontend.server.calls import Tenant
+    config = parse_config({"frontend": {"bind": ["tcp://127.0.0.1:5555"], "curve": {"secret_key": "s.key_secret", "tenants": {
+        "acme": {"keys": ["acme.key"], "max_sessions": 2}, "other": {"keys": ["other.key"]}}}},
+        "sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, "max_sessions": 10}})
+    clock = VirtualClock()
+    a, b = (Live(RecordingHost(), config, Metrics(), clock=clock, board=row) for row in board)
+
+    def peer(name: str, tenant: str) -> Peer:
+        p = Peer(name)
+        p.tenant = Tenant(tenant, None)
+        return p
+
+    first = peer("a0", "acme")
+    token = _open(a, first)
+    _open(b, peer("b0", "acme"))
+    for live, name in ((a, "a1"), (b, "b1")):
+        with pytest.raises(RequestError) as err:
+            _open(live, peer(name, "acme"))
+        assert err.value.code is ErrorCode.BUSY and "tenant acme holds 2 live sessions" in err.value.message
+    for live, name in ((a, "o0"), (b, "o1"), (a, "o2")):   # another tenant's are let in
+        _open(live, peer(name, "other"))
+    a.handle(_call("session_close", first, session=token), [])
+    _open(b, peer("b2", "acme"))
+    assert (len(a.table), len(b.table)) == (2, 3)

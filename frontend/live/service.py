@@ -114,6 +114,11 @@ class Live:
                                   processes=board.processes if board is not None else 1)
                          if cpu is not None and (self.cfg.max_cpu_load > 0 or self.cfg.shed_speech) else None)
         self.board = board
+        # the tenants with a session limit of their own (frontend.curve.tenants.NAME.max_sessions), in
+        # their board columns' order
+        curve = getattr(config.frontend, "curve", None)
+        self._tenant_limits = curve.session_limits() if curve is not None else {}
+        self._tenant_column = {name: i for i, name in enumerate(self._tenant_limits)}
         # speech frames rendered and sent, all sessions (what the capacity model fits), and sessions whose
         # opening began (its warm-up: a cost apart from holding it); on a board, counted on from its row
         self._speech_sent = board.get(SPEECH_FRAMES) if board is not None else 0
@@ -173,7 +178,7 @@ class Live:
 
     def _open(self, call: OpenCall) -> None:
         header, spec = call.header, call.spec
-        self._admit(header.id)
+        self._admit(header.id, call.reply_to.tenant)
         elements = int(np.prod(spec.audio_shape))
         mode = header.audio or "window"
         if mode == "pcm16" and (tuple(spec.audio_shape) != AUDIO_SHAPE or not spec.encoder):
@@ -241,15 +246,32 @@ class Live:
         if self.board is not None:
             self.board.set(SESSIONS, len(self.table) + len(self._opening))
             self.board.set(OPENS, self._opens)
+            if self._tenant_limits:
+                self.board.set_tenants([self._tenant_sessions(name) for name in self._tenant_limits])
 
-    def _admit(self, request_id) -> None:
-        """Refuse a session_open `busy` past sessions.max_sessions, or past the host's measured capacity,
-        counting the sessions of every client-facing process of the host."""
-        opened = len(self.table) + len(self._opening) + self._others().sessions
+    def _tenant_sessions(self, name: str) -> int:
+        """This process's sessions (held or opening) of tenant `name`."""
+        sessions = [*self.table.sessions(), *(o.session for o in self._opening.values())]
+        return sum(1 for s in sessions if s.call is not None and getattr(s.call.reply_to.tenant, "name", None) == name)
+
+    def _admit(self, request_id, tenant=None) -> None:
+        """Refuse a session_open `busy` past sessions.max_sessions, past its tenant's own limit, or past
+        the host's measured capacity, counting the sessions of every client-facing process of the host."""
+        others = self._others()
+        opened = len(self.table) + len(self._opening) + others.sessions
         if opened >= self.cfg.max_sessions:
             self._refused.inc()
             raise RequestError(ErrorCode.BUSY, f"{opened} sessions are open on this host (sessions.max_sessions); "
                                "retry later or on another server", request_id, retry_after_s=BUSY_RETRY_S)
+        limit = self._tenant_limits.get(tenant.name) if tenant is not None else None
+        if limit is not None:
+            column = self._tenant_column[tenant.name]
+            held = self._tenant_sessions(tenant.name) + (others.tenants[column] if column < len(others.tenants) else 0)
+            if held >= limit:
+                self._refused.inc()
+                raise RequestError(ErrorCode.BUSY, f"tenant {tenant.name} holds {held} live sessions on this host "
+                                   f"(frontend.curve.tenants.{tenant.name}.max_sessions); close one, or retry later",
+                                   request_id, retry_after_s=BUSY_RETRY_S)
         if self.capacity is None:
             return
         if self._sampler is None:

@@ -113,7 +113,7 @@ class Frontend(Shell):
         # time of the server's processes here, this one, the host's other client-facing processes (their
         # pids on the board) and those the supervisor reports (_process_event), and by the sessions of
         # every client-facing process (the board: shm/board.py)
-        self.board = Board.attach(run.board, index) if run.board else None
+        self.board = Board.attach(run.board, index, len(run.endpoints.frontend)) if run.board else None
         if self.board is not None:
             self.board.set(PID, os.getpid())
         self.cpu = ProcessCpu()
