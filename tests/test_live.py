@@ -752,3 +752,194 @@ def test_a_tenant_holds_at_most_its_own_sessions_over_every_process(board):
     a.handle(_call("session_close", first, session=token), [])
     _open(b, peer("b2", "acme"))
     assert (len(a.table), len(b.table)) == (2, 3)
+
+
+def test_chunks_of_one_utterance_play_back_to_back_as_speech():
+    """An utterance streamed in chunks plays without a gap or an overlap: each chunk lands right after
+    the one before, every frame goes out as its own speech frame, the last one says so, and the stats
+    count them (with their latency)."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    one = _audio(live, owner, token, 3, utterance=1)
+    two = _audio(live, owner, token, 4, utterance=1, last=True)
+    first = one["first_frame"]
+    assert two["first_frame"] == first + 3, "the second chunk plays right after the first"
+    clock.advance(1 / FPS)
+    for r in host.of(Kind.COMPOSITE, SpeechBatch):
+        _composite(live, r, "speech")
+    clock.advance((first + 10) / FPS + 0.2)
+    frames = {h["index"]: (h, d[0]) for h, d in _frames(host, owner)}
+    said = [frames[k] for k in range(first, first + 7)]
+    assert [(h["kind"], image) for h, image in said] == [("speech", f"speech-{token}-{k}".encode())
+                                                        for k in range(first, first + 7)]
+    assert [h["last"] for h, _ in said] == [False] * 6 + [True] and {h["utterance"] for h, _ in said} == {1}
+    stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
+    assert stats["frames_speech"] == 7 and stats["missed"] == 0 and stats["latency_ms_p50"] is not None, stats
+
+
+def test_an_interrupt_mid_utterance_cuts_its_speech_at_the_next_frame_and_says_where_it_ended():
+    """Barge-in while the utterance plays: none of its frames goes out after the interrupt (the very
+    next one included), the reply counts those dropped, and the next frame, idle, tells the client
+    that this utterance's playback ended there (utterance, last)."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    session = live.table.get(token)
+    first = _audio(live, owner, token, 10, utterance=1)["first_frame"]
+    clock.advance(1 / FPS)
+    _composite(live, host.of(Kind.COMPOSITE, SpeechBatch)[0], "speech")
+    clock.advance(session.due(first + 3) + 0.01 - clock.now())   # frames first .. first + 3 went out
+    assert [h["kind"] for h, _ in _frames(host, owner)][first:] == ["speech"] * 4
+    interrupted = msgspec.json.decode(live.handle(_call("session_interrupt", owner, session=token), []))
+    assert interrupted["dropped"] == 6 and interrupted["utterance"] == 1
+    clock.advance(12 / FPS)
+    after = [h for h, _ in _frames(host, owner) if h["index"] >= first + 4]
+    assert after and not [h for h in after if h["kind"] == "speech"], "the cut utterance still spoke"
+    assert (after[0]["index"], after[0]["kind"], after[0]["utterance"], after[0]["last"]) == (first + 4, "idle", 1, True)
+    assert [h["index"] for h, _ in _frames(host, owner) if h["last"]] == [first + 4], "its end said once"
+
+
+def test_utterances_sent_without_ids_are_numbered_one_after_another():
+    """A client that sends no utterance ids gets them counted for it: 1, then 2, in the audio replies,
+    on the frames that carry each one's speech, and in the interrupt's reply."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    one = _audio(live, owner, token, 2, last=True)
+    two = _audio(live, owner, token, 2, last=True)
+    assert (one["utterance"], two["utterance"]) == (1, 2)
+    clock.advance(1 / FPS)
+    for r in host.of(Kind.COMPOSITE, SpeechBatch):
+        assert [u for _, _, u in r.work.targets] == [1, 1, 2, 2]
+        _composite(live, r, "speech")
+    clock.advance((two["first_frame"] + 3) / FPS + 0.2)
+    speech = [(h["index"], h["utterance"]) for h, _ in _frames(host, owner) if h["kind"] == "speech"]
+    first = one["first_frame"]
+    assert speech == [(first, 1), (first + 1, 1), (first + 2, 2), (first + 3, 2)]
+    assert _audio(live, owner, token, 2)["utterance"] == 3
+    interrupted = msgspec.json.decode(live.handle(_call("session_interrupt", owner, session=token), []))
+    assert interrupted["utterance"] == 3 and interrupted["dropped"] == 2
+
+
+def test_a_pcm_utterance_streamed_in_chunks_comes_back_with_every_sample_in_whole_frames():
+    """pcm16 in two chunks (12,000 samples: 18.75 frames): each reply says the frame its chunk starts
+    playing in and how many it spans, every frame carries exactly its 40 ms (zeros past the end), the
+    samples come back in order, and the frame with the utterance's last samples is marked last."""
+    from config.audio import speech
+    live, host, clock = _live()
+    peer = Peer("p")
+    spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
+    token = _open(live, peer, spec, audio="pcm16")
+    pcm = speech(0.75, seed=2).tobytes()
+    assert len(pcm) == 2 * 12000
+    one = msgspec.json.decode(live.handle(_call("session_audio", peer, spec, session=token, utterance=1),
+                                          [pcm[:16000]]))
+    two = msgspec.json.decode(live.handle(_call("session_audio", peer, spec, session=token, utterance=1, last=True),
+                                          [pcm[16000:]]))
+    first = one["first_frame"]
+    assert (one["frames"], two["first_frame"], two["frames"]) == (13, first + 12, 7)
+    clock.advance(1 / FPS)
+    for r in host.of(Kind.COMPOSITE, SpeechBatch):
+        _composite(live, r, "speech")
+    clock.advance((first + 25) / FPS + 0.2)
+    frames = [(h, d) for h, d in _frames(host, peer) if first <= h["index"] < first + 19]
+    assert [h["index"] for h, _ in frames] == list(range(first, first + 19))
+    assert all(len(d[1]) == 2 * 640 for _, d in frames), "each frame carries 40 ms of audio"
+    assert b"".join(d[1] for _, d in frames) == pcm + bytes(2 * 19 * 640 - len(pcm))
+    assert [h["index"] for h, _ in _frames(host, peer) if h["last"]] == [first + 18]
+    assert all(h["utterance"] == 1 for h, _ in frames)
+
+
+def test_the_client_learns_where_an_utterance_ended_when_its_last_frame_is_missed_or_ends_late():
+    """Every utterance's end reaches the client as a frame marked last: when its last speech frame
+    failed (it goes out idle, missed, still marked), and when a pcm16 utterance's `last` comes after
+    all of its audio has played (the next frame to go out carries it)."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    first = _audio(live, owner, token, 3, utterance=1, last=True)["first_frame"]
+    clock.advance(1 / FPS)
+    _failed(host.of(Kind.COMPOSITE, SpeechBatch)[0], "a worker died")
+    clock.advance((first + 4) / FPS + 0.2)
+    ended = [(h["index"], h["kind"], h["utterance"]) for h, _ in _frames(host, owner) if h["last"]]
+    assert ended == [(first + 2, "idle", 1)]
+
+    from config.audio import speech
+    peer = Peer("p")
+    spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
+    token = _open(live, peer, spec, audio="pcm16")
+    session = live.table.get(token)
+    pcm = speech(0.5, seed=3).tobytes()
+    live.handle(_call("session_audio", peer, spec, session=token, utterance=1), [pcm])
+    clock.advance(1.5)   # all of its audio has played
+    assert not [h for h, _ in _frames(host, peer) if h["last"]]
+    next_index = session.next_index
+    live.handle(_call("session_audio", peer, spec, session=token, utterance=1, last=True), [b""])
+    clock.advance(2 / FPS)
+    ended = [(h["index"], h["kind"], h["utterance"]) for h, _ in _frames(host, peer) if h["last"]]
+    assert ended == [(next_index, "idle", 1)]
+
+
+def test_frames_sent_late_after_a_stall_count_late_in_the_sessions_stats():
+    """A frontend that stalls (its event loop held 200 ms) sends the frames due meanwhile late, all of
+    them, in order: session_stats counts those more than 40 ms late and the worst lateness."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    clock.advance(0.5)
+    stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
+    assert stats["late"] == 0 and stats["max_late_ms"] <= 4.0
+    sent = len(_frames(host, owner))
+    clock.t += 0.2   # no timer ran meanwhile
+    clock.advance(0)
+    indices = [h["index"] for h, _ in _frames(host, owner)]
+    assert indices == list(range(len(indices))) and len(indices) - sent >= 4
+    stats = msgspec.json.decode(live.handle(_call("session_stats", owner, session=token), []))
+    assert stats["late"] >= 3 and 150 <= stats["max_late_ms"] <= 200, stats
+
+
+def test_a_session_closed_while_its_speech_waits_for_a_batch_does_not_hold_up_the_others():
+    """Speech frames wait a frame period to share a batch: a session that closes meanwhile takes its
+    frames out of it, and the other session's frames are still submitted and go out as speech."""
+    live, host, clock = _live()
+    a, b = Peer("a"), Peer("b")
+    ta, tb = _open(live, a), _open(live, b)
+    _audio(live, a, ta, 3)
+    first = _audio(live, b, tb, 3)["first_frame"]
+    live.handle(_call("session_close", a, session=ta), [])
+    clock.advance(1 / FPS)
+    [r] = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert [(t, k) for t, k, _ in r.work.targets] == [(tb, first + i) for i in range(3)]
+    _composite(live, r, "speech")
+    clock.advance((first + 4) / FPS + 0.2)
+    assert [h["index"] for h, _ in _frames(host, b) if h["kind"] == "speech"] == [first, first + 1, first + 2]
+
+
+def test_a_features_utterances_frames_are_inferred_once_their_lookahead_rows_arrive():
+    """features mode: frame j's window is rows j-8 .. j+7 of its own utterance (zeros outside it), so
+    frame j is inferred once row j+7 has arrived, or at the utterance's end; the next utterance's first
+    window sees zeros before its own rows, never the previous utterance's."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner, audio="features")
+
+    def rows(n: int, value: float, **fields) -> dict:
+        return msgspec.json.decode(live.handle(_call("session_audio", owner, session=token, **fields),
+                                               [np.full((n, 512), value, np.float32).tobytes()]))
+
+    def inferred() -> list[int]:
+        clock.advance(1 / FPS)
+        return [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
+
+    first = rows(8, 1.0, utterance=1)["first_frame"]
+    assert inferred() == [first], "frame 0 needs rows 0 .. 7: only it"
+    rows(2, 1.0, utterance=1, last=True)
+    assert inferred() == list(range(first, first + 10))
+    second = rows(10, 2.0, utterance=2, last=True)["first_frame"]
+    batches = host.of(Kind.COMPOSITE, SpeechBatch)
+    clock.advance(1 / FPS)
+    [r] = host.of(Kind.COMPOSITE, SpeechBatch)[len(batches):]
+    assert [k for _, k, _ in r.work.targets] == list(range(second, second + 10))
+    window = np.frombuffer(r.inputs.audio, "<f4").reshape(10, 16, 512)[0]
+    assert (window[:8] == 0).all() and (window[8:] == 2.0).all(), "its first window: zeros, then its own rows"
