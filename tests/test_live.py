@@ -943,3 +943,24 @@ def test_a_features_utterances_frames_are_inferred_once_their_lookahead_rows_arr
     assert [k for _, k, _ in r.work.targets] == list(range(second, second + 10))
     window = np.frombuffer(r.inputs.audio, "<f4").reshape(10, 16, 512)[0]
     assert (window[:8] == 0).all() and (window[8:] == 2.0).all(), "its first window: zeros, then its own rows"
+
+
+def test_an_interrupt_that_arrives_late_never_brings_back_an_utterance_cut_before():
+    """Interrupts can cross on the wire: one up to utterance 5, then a stale one up to 2. Utterance 4's
+    chunks arriving after them stay cut (its speech never rendered); 6's speak."""
+    live, host, clock = _live()
+    owner = Peer("owner")
+    token = _open(live, owner)
+    for upto in (5, 2):
+        reply = msgspec.json.decode(live.handle(_call("session_interrupt", owner, session=token, utterance=upto), []))
+        assert reply["utterance"] == 5
+    _audio(live, owner, token, 4, utterance=4)
+    _audio(live, owner, token, 4, utterance=6, last=True)
+    clock.advance(1 / FPS)
+    rendered = host.of(Kind.COMPOSITE, SpeechBatch)
+    assert sum(len(r.work.targets) for r in rendered) == 4, "a cut utterance's speech was rendered"
+    for r in rendered:
+        _composite(live, r, "speech")
+    clock.advance(1.0)
+    spoken = {h["utterance"] for h, _ in _frames(host, owner) if h["kind"] == "speech"}
+    assert spoken == {6}, spoken
