@@ -964,3 +964,23 @@ def test_an_interrupt_that_arrives_late_never_brings_back_an_utterance_cut_befor
     clock.advance(1.0)
     spoken = {h["utterance"] for h, _ in _frames(host, owner) if h["kind"] == "speech"}
     assert spoken == {6}, spoken
+
+
+def test_a_short_pcm_utterance_sent_whole_lands_as_soon_as_a_window_utterance_would():
+    """A reply of a few hundred ms sent in one `last` chunk holds every sample its frames need: it lands
+    at the session's lead, as feature windows sent at the same moment would, not PCM_LOOKAHEAD_SAMPLES
+    (0.45 s) later as a stream's first chunk must; a first chunk that is not the last still waits."""
+    from config.audio import speech
+    spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
+    firsts = {}
+    for mode, last in (("window", True), ("pcm16", True), ("pcm16", False)):
+        live, host, clock = _live()
+        peer = Peer("p")
+        token = _open(live, peer, spec, audio=mode)
+        payload = (speech(0.3, seed=1).tobytes() if mode == "pcm16"
+                   else np.zeros((7, 32, 16, 16), np.float32).tobytes())
+        reply = msgspec.json.decode(live.handle(_call("session_audio", peer, spec, session=token, utterance=1,
+                                                      last=last), [payload]))
+        firsts[mode, last] = reply["first_frame"] - live.table.get(token).now_index(clock.now())
+    assert firsts["pcm16", True] == firsts["window", True], firsts
+    assert firsts["pcm16", False] > firsts["pcm16", True], firsts
