@@ -984,3 +984,32 @@ def test_a_short_pcm_utterance_sent_whole_lands_as_soon_as_a_window_utterance_wo
         firsts[mode, last] = reply["first_frame"] - live.table.get(token).now_index(clock.now())
     assert firsts["pcm16", True] == firsts["window", True], firsts
     assert firsts["pcm16", False] > firsts["pcm16", True], firsts
+
+
+def test_an_interrupt_takes_a_pcm_sessions_frames_waiting_for_a_batch_and_counts_only_speech():
+    """PCM frames wait up to a frame period to share a request: an interrupt in that moment takes them
+    too (none of them is inferred), and its reply's `dropped` counts the speech frames cut, never the
+    tail frames that carry an utterance's samples past its last speech frame."""
+    from config.audio import speech
+    live, host, clock = _live()
+    peer = Peer("p")
+    spec = SimpleNamespace(**{**vars(SPEC), "encoder": True})
+    token = _open(live, peer, spec, audio="pcm16")
+    session = live.table.get(token)
+
+    def interrupt() -> int:
+        return msgspec.json.decode(live.handle(_call("session_interrupt", peer, spec, session=token), []))["dropped"]
+
+    # a stream's first 0.6 s: the frames its samples make computable wait for a batch
+    live.handle(_call("session_audio", peer, spec, session=token, utterance=1), [speech(0.6, seed=2).tobytes()])
+    waiting = len(session.speech)
+    assert waiting and not host.of(Kind.COMPOSITE, SpeechBatch), waiting
+    assert interrupt() == waiting
+    clock.advance(1.0)
+    assert not host.of(Kind.COMPOSITE, SpeechBatch), "a cut utterance's frames were inferred"
+    # a whole utterance (its frames asked for at once), cut before any plays: its speech frames counted
+    live.handle(_call("session_audio", peer, spec, session=token, utterance=2, last=True),
+                [speech(0.5, seed=3).tobytes()])
+    spoken = sum(not f.tail for f in session.speech.values())
+    assert 0 < spoken < len(session.speech), "no tail frame"
+    assert interrupt() == spoken
