@@ -375,3 +375,248 @@ def test_an_unpin_says_whose_pin_it_releases():
     e.process_event("gpu", 0, ProcState.READY)
     (send,) = e.unpin(0, "m")
     assert isinstance(send.message, LoadModel) and send.message.pin == -1 and owner_of(send.message.req) == 3
+
+
+def test_a_request_waiting_for_a_cold_load_is_answered_once_at_shutdown():
+    """Shutdown ends the engine's own load of a cold model, which fails the requests waiting for it; the
+    shutdown must not then answer those requests a second time: every client gets exactly one reply."""
+    e = engine()
+    waiting = [submit(e, model="cold")[0] for _ in range(2)]
+    assert any(r.kind is Kind.WARM for r in e.table)
+    actions = e.shutdown("stopping")
+    assert sorted(f.request.req for f in ends(actions)) == sorted(r.req for r in waiting)
+    assert all(f.code is ErrorCode.UNAVAILABLE for f in ends(actions))
+    assert held(e) == NOTHING
+
+
+def test_raw_frames_are_freed_when_a_composite_fails_and_left_to_the_shell_when_it_succeeds():
+    """Raw frames held in a compositor's image ring: a request that fails after some chunks came back
+    frees them at once (else the image ring fills up); one that succeeds leaves them to the shell, which
+    frees them once the reply's bytes have left (freeing them first would send overwritten frames)."""
+    e = engine(slots=2)
+    ok, actions = submit(e)
+    (d,) = of(actions, Dispatch)
+    e.infer_done(InferDone(req=ok.req, worker=0, ok=True))
+    for chunk in d.plan:
+        actions = e.composite_done(CompositeDone(req=ok.req, compositor=chunk.compositor, start=chunk.start,
+                                                 end=chunk.end, ok=True, width=8, height=6, images=object()),
+                                   [b"x"] * (chunk.end - chunk.start))
+    assert ends(actions) == [Done(ok)] and not of(actions, FreeImages)
+    assert ok.image_slots == {c.compositor for c in d.plan}, "the shell frees them once sent"
+
+    bad, actions = submit(e)
+    (d,) = of(actions, Dispatch)
+    e.infer_done(InferDone(req=bad.req, worker=0, ok=True))
+    first, second = d.plan
+    assert not ends(e.composite_done(CompositeDone(req=bad.req, compositor=first.compositor, start=first.start,
+                                                   end=first.end, ok=True, width=8, height=6, images=object()),
+                                     [b"x"] * (first.end - first.start)))
+    actions = e.composite_done(CompositeDone(req=bad.req, compositor=second.compositor, start=second.start,
+                                             end=second.end, ok=False, code=ErrorCode.INTERNAL, message="x"), [])
+    assert [f.request for f in ends(actions)] == [bad] and of(actions, FreeImages) == [FreeImages(first.compositor, bad.req)]
+    assert held(e) == NOTHING
+
+
+@pytest.mark.parametrize("lost", ["evicted", "restarted"])
+def test_a_model_a_worker_lost_is_loaded_again_before_its_requests_are_dispatched(lost):
+    """A worker that evicted a model, or restarted (a new process holds no model), must load it again
+    before a request for it is dispatched there, never be sent work for a model it does not hold."""
+    e = engine()
+    if lost == "evicted":
+        e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.EVICTED))
+    else:
+        e.process_event("gpu", 0, ProcState.RESTARTING, restarts=1)
+        e.process_event("gpu", 0, ProcState.READY, pid=101, restarts=1)
+    r, actions = submit(e)
+    (load,) = of(actions, SendWorker)
+    assert not of(actions, Dispatch) and isinstance(load.message, LoadModel) and load.message.model == "m"
+    actions = e.control_done(LoadDone(req=load.message.req, worker=0, model="m", ok=True))
+    assert [a.request for a in of(actions, Dispatch)] == [r]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+def test_live_speech_due_soonest_is_dispatched_before_batch_work_queued_earlier():
+    """A live session's speech (Inputs.due: when its first frame must go out) takes the next free room
+    before batch work queued ahead of it, even when the batch work's deadline is earlier than the
+    speech request's: else the session's frames go out late."""
+    from frontend.core.request import Inputs
+    e = engine(slots=1)
+    running, _ = submit(e, Kind.INFER)
+    batch, _ = submit(e, deadline=50.0)
+    speech = Request(Kind.COMPOSITE, "m", 4, deadline=100.0, conn="c2",
+                     inputs=Inputs("m", 1, [0] * 4, b"", "windows", (4,), due=5.0))
+    assert not of(e.submit(speech, now=0.0), Dispatch)
+    actions = e.infer_done(InferDone(req=running.req, worker=0, ok=True))
+    assert [a.request for a in of(actions, Dispatch)] == [speech]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+def test_the_next_deadline_is_the_earliest_of_the_live_requests():
+    """The shell arms its one timer at `next_deadline`: it must be the earliest deadline of a request
+    still live (a later one would let a request's timeout pass unanswered), and an ended request's
+    deadline no longer counts."""
+    e = engine(slots=4)
+    late, _ = submit(e, deadline=50.0)
+    soon, _ = submit(e, deadline=5.0)
+    later, _ = submit(e, deadline=80.0)
+    assert e.next_deadline() == 5.0
+    e.fail(soon.req, ErrorCode.INTERNAL, "x")
+    assert e.next_deadline() == 50.0
+    assert [f.request for f in ends(e.tick(50.0))] == [late] and e.next_deadline() == 80.0
+    e.shutdown("stop")
+    assert e.next_deadline() is None and held(e) == NOTHING
+
+
+def test_a_shell_that_cannot_dispatch_or_build_a_reply_still_answers_once_and_frees_the_frames():
+    """Carrying out an action can fail (writing the inputs, building the reply): the client still gets
+    exactly one `internal` error naming it, and the request's slots and raw frames are freed."""
+    from frontend.core.shell import Shell
+
+    class Work:
+        def __init__(self):
+            self.failed_with = []
+
+        def done(self, r):
+            raise RuntimeError("encoding the reply failed")
+
+        def failed(self, r, code, message):
+            self.failed_with.append((code, message))
+
+    class Sock:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, data):
+            self.sent.append(data)
+
+    class RecordingShell(Shell):
+        broken_dispatch, freed = True, None
+
+        def dispatch(self, action):
+            if self.broken_dispatch:
+                raise ValueError("input ring full")
+
+        def free_images(self, req, compositors):
+            self.freed = (self.freed or []) + [(req, sorted(compositors))]
+
+    e = engine()
+    shell = RecordingShell(e, [Sock()], [], shutdown_timeout_s=5.0)
+    r = Request(Kind.COMPOSITE, "m", 4, deadline=100.0, conn="c1", work=Work())
+    shell.apply(e.submit(r, now=0.0))
+    assert r.work.failed_with == [(ErrorCode.INTERNAL, "ValueError: input ring full")]
+    assert held(e) == NOTHING and len(shell.to_gpu[0].sent) == 1   # its output slot released
+
+    shell.broken_dispatch = False
+    r = Request(Kind.COMPOSITE, "m", 4, deadline=100.0, conn="c1", work=Work())
+    actions = e.submit(r, now=0.0)
+    (d,) = of(actions, Dispatch)
+    shell.apply(actions)
+    shell.apply(e.infer_done(InferDone(req=r.req, worker=0, ok=True)))
+    for chunk in d.plan:
+        shell.apply(e.composite_done(CompositeDone(req=r.req, compositor=chunk.compositor, start=chunk.start,
+                                                   end=chunk.end, ok=True, images=object()), [b"x"] * 2))
+    (failed,) = r.work.failed_with
+    assert failed[0] is ErrorCode.INTERNAL and "building the reply failed" in failed[1]
+    assert shell.freed == [(r.req, sorted(c.compositor for c in d.plan))] and held(e) == NOTHING
+
+
+def test_a_connections_backlog_counts_its_unsent_replies_until_they_leave():
+    """A reply counts toward its connection's bound until libzmq has let go of it: one still queued keeps
+    the next one out; once it has left, the connection gets replies again (never shut out for good)."""
+    from types import SimpleNamespace
+
+    from frontend.core.backlog import Backlogs
+    mib = 1 << 20
+    b = Backlogs(limit=4 * mib)
+    first = b.admit("c", 3 * mib)
+    first[0] = SimpleNamespace(done=False)   # the send's tracker: still queued for the client
+    assert b.admit("c", 2 * mib) is None and b.queued("c") == 3 * mib
+    first[0].done = True
+    second = b.admit("c", 2 * mib)
+    assert second is not None and b.queued("c") == 2 * mib
+    second[0] = SimpleNamespace(done=True)
+    assert b.admit("c", 4 * mib) is not None and b.total() == 4 * mib
+
+
+def test_an_input_room_never_strands_a_worker(shm_name):
+    """The input room never holds a worker's requests back for good: a batch larger than the frames in
+    flight it allows goes when the worker is idle; inputs larger than the whole ring are let through
+    (writing them fails, naming shm.slots) instead of waiting forever; a restarted worker's room is all free."""
+    import numpy as np
+
+    from config.geometry import MOUTH_BYTES, VISUAL_BYTES
+    from frontend.core.request import Inputs
+    from frontend.core.slots import RingRoom
+    from shm.ring import RingSpec, SlotRing
+
+    ring = SlotRing.create(RingSpec.in_pages(shm_name, 1, 4 * VISUAL_BYTES + 4096, VISUAL_BYTES))
+    ring.become_writer()
+
+    def request(req: int, batch: int, visual: bool = False) -> Request:
+        inputs = Inputs("m", 1, list(range(batch)), np.zeros((batch, 4), np.float32).tobytes(), "windows", (4,),
+                        visual=b"\0" * (batch * VISUAL_BYTES) if visual else None)
+        r = Request(Kind.INFER, "m", batch, inputs=inputs)
+        r.req = req
+        return r
+
+    try:
+        room = RingRoom([ring], [RingSpec("out", 3, MOUTH_BYTES)])   # 3 frames in flight
+        assert room.take(0, request(1, 5)), "an idle worker takes a batch past the in-flight bound"
+        room.free(0, 1)
+        huge = request(2, 6, visual=True)
+        assert ring.slots_for(huge.inputs.nbytes(huge.batch)) > ring.spec.n_slots
+        assert room.take(0, huge) and ring.held(huge.req) is None, "let through, to fail with a message"
+        room.free(0, huge.req)
+        assert room.take(0, request(3, 2))
+        room.reset(0)   # the worker died: a new one reads none of it
+        assert room.take(0, request(4, 2)) and room.take(0, request(5, 1)), "its room is all free again"
+    finally:
+        ring.close(unlink=True)
+
+
+@pytest.mark.parametrize("code", [ErrorCode.BAD_REQUEST, ErrorCode.TIMEOUT, ErrorCode.OVERLOADED])
+def test_a_workers_error_reaches_the_client_with_its_own_code(code):
+    """A worker that fails a request says why (its inputs did not fit: bad_request; its deadline passed
+    in the queue: timeout): the client gets that code and message, not a generic internal error."""
+    e = engine()
+    r, _ = submit(e)
+    actions = e.infer_done(InferDone(req=r.req, worker=0, ok=False, code=code, message="why"))
+    assert ends(actions) == [Fail(r, code, "why")]
+    assert held(e) == NOTHING
+
+
+def test_a_load_with_no_ready_worker_is_unavailable():
+    """Every inference worker down (restarting): a `load` gets unavailable (retry later), not overloaded."""
+    e = Scheduler(["cpu0"], 1, CountedRoom(2), 4)
+    r = Request(Kind.LOAD, "m", 0, deadline=100.0, conn="c1")
+    (fail,) = ends(e.submit(r, now=0.0))
+    assert isinstance(fail, Fail) and fail.code is ErrorCode.UNAVAILABLE
+    assert held(e) == NOTHING
+
+
+def test_a_failed_load_leaves_the_model_unloaded_so_the_next_request_loads_it_again():
+    """A worker that could not load a model (its file bad, no memory) does not hold it: the engine does
+    not count it loaded there, so the next request for it asks for a load again rather than an inference
+    of a model the worker lacks."""
+    e = engine()
+    load = Request(Kind.LOAD, "cold", 0, deadline=100.0, conn="c1")
+    (send,) = of(e.submit(load, now=0.0), SendWorker)
+    actions = e.control_done(LoadDone(req=load.req, worker=0, model="cold", ok=False, code=ErrorCode.OVERLOADED,
+                                      message="no memory"))
+    assert [a.code for a in ends(actions)] == [ErrorCode.OVERLOADED]
+    assert "cold" not in e.workers[0].models
+    r, actions = submit(e, model="cold")
+    assert not of(actions, Dispatch) and [type(a.message) for a in of(actions, SendWorker)] == [LoadModel]
+
+
+def test_a_composites_inference_done_lets_the_next_queued_request_onto_the_worker():
+    """One input slot: the second request waits in the worker's queue; once the first's inference is done
+    (its compositing still running), the second is dispatched at once, not after that compositing."""
+    e = engine(slots=1)
+    first, _ = submit(e)
+    second, actions = submit(e, conn="c2")
+    assert not of(actions, Dispatch), "no room for a second"
+    actions = e.infer_done(InferDone(req=first.req, worker=0, ok=True))
+    assert [d.request for d in of(actions, Dispatch)] == [second]
