@@ -620,3 +620,31 @@ def test_a_composites_inference_done_lets_the_next_queued_request_onto_the_worke
     assert not of(actions, Dispatch), "no room for a second"
     actions = e.infer_done(InferDone(req=first.req, worker=0, ok=True))
     assert [d.request for d in of(actions, Dispatch)] == [second]
+
+
+@pytest.mark.parametrize("kind", [Kind.UNLOAD, Kind.STATS])
+def test_unload_and_stats_ask_only_the_ready_workers_and_end_when_they_answered(kind):
+    """Two workers, one restarting: `unload` and `stats` go to the ready one only and end as soon as it
+    answers, not at their deadline waiting on a worker that will never answer."""
+    e = engine(workers=2)
+    e.process_event("gpu", 1, ProcState.RESTARTING)
+    r = Request(kind, "m" if kind is Kind.UNLOAD else None, 0, deadline=100.0, conn="c1")
+    sends = of(e.submit(r, now=0.0), SendWorker)
+    assert [s.worker for s in sends] == [0]
+    answer = (LoadDone(req=r.req, worker=0, model="m", ok=True) if kind is Kind.UNLOAD
+              else StatsReport(req=r.req, worker=0, device="cpu", models={}, loaded=[], queue=0))
+    assert ends(e.control_done(answer)) == [Done(r)]
+    assert held(e) == NOTHING
+
+
+def test_a_render_pinned_to_a_compositor_that_is_down_fails_rather_than_moving():
+    """An H.264 session's encoder lives in one compositing process: a render pinned there while it
+    restarts fails (the session re-renders once it is back) instead of going to another process that
+    has no such encoder."""
+    e = engine(compositors=2)
+    e.process_event("cpu", 1, ProcState.RESTARTING)
+    r = Request(Kind.RENDER, "m", 1, deadline=100.0, conn=None)
+    r.compositor = 1
+    (fail,) = ends(e.submit(r, now=0.0))
+    assert isinstance(fail, Fail) and fail.code is ErrorCode.UNAVAILABLE
+    assert not of(e.submit(Request(Kind.RENDER, "m", 1, deadline=100.0, conn=None), now=0.0), Fail)
