@@ -30,7 +30,7 @@ from gpu_actor.architectures import Architectures
 from gpu_actor.onnx_sessions import out_of_memory
 from gpu_actor.own_session import OwnSessions
 from gpu_actor.runner import Loader, Runner
-from shm.requests import owner_of, same_owner_below
+from shm.requests import drop_owned_below, release_owned
 
 log = logging.getLogger(__name__)
 
@@ -130,25 +130,13 @@ class Registry:
     def unpin(self, model: str, req: int = 0) -> None:
         """A session of the process that made request `req` closed: one of that process's pins of `model`
         goes (another process's stay, for its restart to drop)."""
-        reqs = self.pins.get(model)
-        mine = [i for i, pinned in enumerate(reqs or ()) if owner_of(pinned) == owner_of(req)]
-        if mine:
-            del reqs[mine[-1]]
-            if not reqs:
-                del self.pins[model]
+        release_owned(self.pins, model, req)
 
     def drop_pins_below(self, floor: int) -> int:
         """The pins of a frontend (or bridge) that restarted, by its predecessor's request ids: their
         sessions went with it and no one will unpin them. Models over the caps that they held are
         evicted now. How many pins went."""
-        dropped = 0
-        for model in list(self.pins):
-            kept = [req for req in self.pins[model] if not same_owner_below(req, floor)]
-            dropped += len(self.pins[model]) - len(kept)
-            if kept:
-                self.pins[model] = kept
-            else:
-                del self.pins[model]
+        dropped = drop_owned_below(self.pins, floor)
         if dropped:
             self._make_room(extra=0)
         return dropped

@@ -40,7 +40,7 @@ from shm.endpoints import Owners, RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, ModelEvent, Pins, Ping, Pong,
                           ProcessEvent, ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel,
                           unpack, pack)
-from shm.requests import owner_of, same_owner_below
+from shm.requests import drop_owned_below, release_owned, same_owner_below
 from shm.ring import RingError, SlotRing, SlotRings
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ class RemoteWorker:
         if pin > 0:
             self._pinning[msg.req] = msg.model
         elif pin < 0:   # (no answer)
-            self._drop_pin(msg.model, owner_of(msg.req))
+            release_owned(self._pins, msg.model, msg.req)
         if not self._send_host([pack(msg)]) and pin >= 0:
             self._pinning.pop(msg.req, None)
             self.to_frontend.send(msg.req, pack(LoadDone(req=msg.req, worker=self.index, model=msg.model, ok=False,
@@ -263,25 +263,9 @@ class RemoteWorker:
         self.outputs.release_below(msg.floor)
         for req in [req for req in self._pinning if same_owner_below(req, msg.floor)]:
             del self._pinning[req]
-        dropped = 0
-        for model, reqs in list(self._pins.items()):   # its sessions' pins went with it
-            kept = [req for req in reqs if not same_owner_below(req, msg.floor)]
-            dropped += len(reqs) - len(kept)
-            if kept:
-                self._pins[model] = kept
-            else:
-                del self._pins[model]
-        if dropped and self.state is ProcState.READY:
+        # its sessions' pins went with it
+        if drop_owned_below(self._pins, msg.floor) and self.state is ProcState.READY:
             self._send_pins()
-
-    def _drop_pin(self, model: str, owner: int) -> None:
-        """A session of frontend process `owner` closed: one of its pins of `model` goes."""
-        reqs = self._pins.get(model, [])
-        mine = [i for i, req in enumerate(reqs) if owner_of(req) == owner]
-        if mine:
-            del reqs[mine[-1]]
-            if not reqs:
-                del self._pins[model]
 
     def _send_pins(self) -> None:
         """Every pin this edge's sessions hold on the host: the bridge matches them (shm/messages.py Pins)."""

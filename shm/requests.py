@@ -32,6 +32,31 @@ def same_owner_below(req: int, floor: int) -> bool:
     return owner_of(req) == owner_of(floor) and req < floor
 
 
+def release_owned(held: dict, key, req: int) -> None:
+    """`held`: key -> request ids (a model's pins). The newest of `key`'s ids of `req`'s owner goes
+    (another owner's stay, for that owner's restart to drop); a key left with none goes too."""
+    reqs = held.get(key)
+    mine = [i for i, r in enumerate(reqs or ()) if owner_of(r) == owner_of(req)]
+    if mine:
+        del reqs[mine[-1]]
+        if not reqs:
+            del held[key]
+
+
+def drop_owned_below(held: dict, floor: int) -> int:
+    """`held`: key -> request ids. The ids of `floor`'s owner below it (a restarted owner's
+    predecessor's) go, and the keys left with none; how many ids went."""
+    dropped = 0
+    for key in list(held):
+        kept = [req for req in held[key] if not same_owner_below(req, floor)]
+        dropped += len(held[key]) - len(kept)
+        if kept:
+            held[key] = kept
+        else:
+            del held[key]
+    return dropped
+
+
 class Floors:
     """Per owner, the first id of its process now: the ids of that owner below it are a dead
     predecessor's (ResetRequests), never to be answered."""
