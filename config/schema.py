@@ -41,17 +41,18 @@ class CurveConfig(_Section):
     secret_key: str                      # this server's secret key file
     tenants: dict[str, TenantConfig] = {}
 
-    def session_limits(self) -> dict[str, int]:
-        """The tenants with a session limit of their own, by name (sorted: the order of their columns
-        on the sessions board, shm/board.py)."""
-        return {name: t.max_sessions for name, t in sorted(self.tenants.items()) if t.max_sessions is not None}
-
 
 class FrontendConfig(_Section):
     bind: tuple[Endpoint, ...] = ("tcp://127.0.0.1:5555",)
     routing: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     curve: Optional[CurveConfig] = None
     processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1   # client-facing processes sharing the binds
+
+    def session_limits(self) -> dict[str, int]:
+        """The tenants with a live-session limit of their own (curve.tenants.NAME.max_sessions), by name
+        (sorted: the order of their columns on the sessions board, shm/board.py)."""
+        tenants = self.curve.tenants if self.curve is not None else {}
+        return {name: t.max_sessions for name, t in sorted(tenants.items()) if t.max_sessions is not None}
 
 
 class BridgeHost(_Section):
@@ -78,6 +79,11 @@ class BridgeConfig(_Section):
 class MetricsConfig(_Section):
     port: Port = 9108
     host: str = "127.0.0.1"
+
+    def port_of(self, index: int) -> int:
+        """The port client-facing process `index` (frontend.processes, bridge.processes) serves: port + index;
+        0: none."""
+        return self.port + index if self.port else 0
 
 
 class ModelEntry(_Section):

@@ -77,9 +77,6 @@ class Board:
     def set(self, column: int, value: int) -> None:
         self._rows[self.row, column] = value
 
-    def add(self, column: int, n: int) -> None:
-        self._rows[self.row, column] += n
-
     def get(self, column: int) -> int:
         return int(self._rows[self.row, column])
 

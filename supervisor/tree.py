@@ -206,8 +206,8 @@ class Supervisor:
             self._created.append(SlotRing.create(spec, populate=False))
         # the client-facing processes' sessions, for admission over the whole host (a GPU host's bridges
         # hold none)
-        limits = cfg.frontend.curve.session_limits() if cfg.frontend.curve is not None else {}
-        self.board = Board.create(f"{prefix}-board", n_front, len(limits)) if self.role != "gpu" else None
+        self.board = (Board.create(f"{prefix}-board", n_front, len(cfg.frontend.session_limits()))
+                      if self.role != "gpu" else None)
         if self.board is not None:
             self._created.append(self.board)
         self.run = RunSpec(prefix, self.run_dir, Endpoints.in_dir(self.run_dir, len(devices), n_cpu, n_front),

@@ -130,7 +130,7 @@ class BridgeServer(Shell):
         # A GPU host has no frontend: its bridge answers the probes (/healthz, /readyz) on metrics.port (bridge
         # process i: metrics.port + i).
         self._stopping = False
-        probes.serve(config.metrics.host, config.metrics.port + index if config.metrics.port else 0, self.readiness)
+        probes.serve(config.metrics.host, config.metrics.port_of(index), self.readiness)
 
     def readiness(self) -> tuple[str, Optional[str]]:
         return probes.readiness(list(self.engine.workers), [], self.engine.synced(), self.draining or self._stopping)

@@ -116,8 +116,7 @@ class Live:
         self.board = board
         # the tenants with a session limit of their own (frontend.curve.tenants.NAME.max_sessions), in
         # their board columns' order
-        curve = getattr(config.frontend, "curve", None)
-        self._tenant_limits = curve.session_limits() if curve is not None else {}
+        self._tenant_limits = config.frontend.session_limits()
         self._tenant_column = {name: i for i, name in enumerate(self._tenant_limits)}
         # speech frames rendered and sent, all sessions (what the capacity model fits), and sessions whose
         # opening began (its warm-up: a cost apart from holding it); on a board, counted on from its row

@@ -126,7 +126,7 @@ class Frontend(Shell):
                           LoadDone: self._control_done, StatsReport: self._control_done,
                           ModelEvent: self._model_event, ProcessEvent: self._process_event, StepDone: self._step_done}
         # (process i of frontend.processes: metrics.port + i)
-        self.metrics.serve(config.metrics.host, config.metrics.port + index if config.metrics.port else 0, self.readiness)
+        self.metrics.serve(config.metrics.host, config.metrics.port_of(index), self.readiness)
 
     def _frontend_name(self, index: int) -> str:
         """Client-facing process `index`'s name in admission's CPU counts (and its messages)."""
