@@ -453,6 +453,38 @@ def test_live_speech_due_soonest_is_dispatched_before_batch_work_queued_earlier(
     assert held(e) == NOTHING
 
 
+def test_a_clients_flood_fills_only_its_own_queue_and_live_speech_is_always_taken():
+    """limits.queue_depth bounds the requests of clients: a queue full of them refuses the next client
+    request `overloaded`, and a live session's speech is still taken (and dispatched first), since
+    refused it is a frame missed for sure; the speech queued counts against no client's place."""
+    from frontend.core.request import Inputs
+
+    def speech(due: float) -> Request:
+        return Request(Kind.COMPOSITE, "m", 2, deadline=due + 1, inputs=Inputs("m", 1, [0] * 2, b"", "windows",
+                                                                                  (4,), due=due))
+    e = engine(slots=1, queue_depth=2)
+    running, _ = submit(e)
+    flood = [submit(e, conn="flood")[0] for _ in range(2)]
+    refused, actions = submit(e, conn="flood")
+    assert ends(actions)[0].code is ErrorCode.OVERLOADED
+    live = [speech(5.0 + i) for i in range(3)]
+    for r in live:
+        assert not ends(e.submit(r, now=0.0)), "live speech refused by a queue full of client requests"
+    _, actions = submit(e, conn="other")
+    assert ends(actions)[0].code is ErrorCode.OVERLOADED and "has 2 requests queued" in ends(actions)[0].message
+    done = e.infer_done(InferDone(req=running.req, worker=0, ok=True))
+    assert [a.request for a in of(done, Dispatch)] == [live[0]]
+    # with only speech queued, a client's request still finds its place
+    e2 = engine(slots=1, queue_depth=2)
+    submit(e2)
+    for r in [speech(5.0 + i) for i in range(3)]:
+        e2.submit(r, now=0.0)
+    assert not ends(submit(e2)[1]), "speech queued took a client's place"
+    for engine_ in (e, e2):
+        engine_.shutdown("stop")
+        assert held(engine_) == NOTHING
+
+
 def test_the_next_deadline_is_the_earliest_of_the_live_requests():
     """The shell arms its one timer at `next_deadline`: it must be the earliest deadline of a request
     still live (a later one would let a request's timeout pass unanswered), and an ended request's

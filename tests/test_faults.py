@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import zmq
 
-from lipsync_client import AsyncClient, ClientTimeout, ServerError
-from tests.helpers import base_config, free_port, make_avatar, run_server
+from lipsync_client import AsyncClient, ClientTimeout, ServerError, Session
+from tests.helpers import base_config, frames_until, free_port, make_avatar, run_server
 
 pytestmark = pytest.mark.slow
 AUDIO = np.zeros((4, 32, 16, 16), np.float32)
@@ -84,6 +84,47 @@ def test_full_queue_answers_overloaded_at_once(server):
     served = [t for r, t in results if isinstance(r, dict)]
     assert max(refused) < min(served), "overloaded must be answered before the queued work finishes"
     assert "limits.queue_depth" in next(r for r, _ in results if not isinstance(r, dict)).message
+
+
+def test_a_clients_flood_of_requests_costs_a_live_session_none_of_its_speech(server):
+    """One client keeps the worker's queue full (limits.queue_depth 2 here) and gets `overloaded` for
+    the rest; a live session speaking meanwhile has every speech frame taken, none refused with it (a
+    refusal is a frame missed for sure: admission, not the queue of clients' requests, bounds speech)."""
+    stop, codes = threading.Event(), []
+
+    def flood() -> None:
+        async def main() -> None:
+            async with AsyncClient(server.endpoint, timeout_s=60) as client:
+                async def one() -> None:
+                    while not stop.is_set():
+                        try:
+                            await client.composite("fast", np.zeros((8, 32, 16, 16), np.float32))
+                            codes.append("ok")
+                        except ServerError as err:
+                            codes.append(err.code)
+                            await asyncio.sleep(0.005)
+                await asyncio.gather(*(one() for _ in range(12)))
+        asyncio.run(main())
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        deadline = time.monotonic() + UNNOTICED_S
+        while "overloaded" not in codes:
+            assert time.monotonic() < deadline, f"the flood never filled the queue: {codes[-10:]}"
+            time.sleep(0.01)
+        with Session(server.endpoint, "fast") as s:
+            frames_until(s, 0)
+            refused = codes.count("overloaded")
+            reply = s.send_audio(np.zeros((50, 32, 16, 16), np.float32), last=True)
+            frames_until(s, reply["first_frame"] + 50)
+            stats = s.stats()
+        assert codes.count("overloaded") > refused, "the queue was not full while the session spoke"
+    finally:
+        stop.set()
+        thread.join()
+    assert "failed (overloaded)" not in stats["missed_in"], stats
+    assert stats["frames_speech"] + stats["missed"] == 50, stats
 
 
 def test_deadline_gives_timeout_and_frees_the_slots(server):

@@ -165,6 +165,16 @@ def _composite(live: Live, r, label: str) -> None:
     _done(r)
 
 
+def _serve(live: Live, host: RecordingHost, clock: VirtualClock, seconds: float, label: str) -> None:
+    """Run the clock `seconds` a frame period at a time, compositing every speech batch as it comes."""
+    end = clock.t + seconds
+    while clock.t < end:
+        clock.advance(min(1 / FPS, end - clock.t))
+        for r in host.of(Kind.COMPOSITE, SpeechBatch):
+            if not r.images:
+                _composite(live, r, label)
+
+
 def _frames(host: RecordingHost, peer: Peer) -> list[tuple[dict, list]]:
     return [(h, d) for to, h, d in host.sent if to is peer and h.get("event") == "frame"]
 
@@ -268,12 +278,64 @@ def test_a_pcm_utterances_frames_go_in_requests_that_fall_due_within_one_latency
     token = _open(live, peer, spec, audio="pcm16")
     pcm = speech(2.0, seed=1)
     live.handle(_call("session_audio", peer, spec, session=token, last=True, utterance=1), [pcm.tobytes()])
-    clock.advance(1 / FPS)
+    clock.advance(2.0)   # (those beyond the horizon go as the stream comes near them: live/speech.py)
     sizes = [r.batch for r in host.of(Kind.COMPOSITE, SpeechBatch)]
     frames = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
     assert sum(sizes) == frame_count(len(pcm)) == 49 and frames == sorted(frames), sizes
     assert max(sizes) == round(0.280 * FPS) == 7, sizes
     live.handle(_call("session_close", peer, session=token), [])
+
+
+def test_speech_sent_far_ahead_goes_to_inference_as_the_stream_nears_it_and_all_of_it_plays():
+    """A TTS burst: 20 s of speech sent at once (ten chunks of 50 frames). Only what lies within the
+    horizon goes to inference at once; the rest follows as the stream comes near it, several frames a
+    request, each with more than a latency budget to spare; every frame is asked for once, in order,
+    and plays as speech. An interrupt drops what is held, and nothing of the cut utterance is asked
+    for after it."""
+    from frontend.live.speech import HORIZON_REACHES, RELEASE_REACHES
+    live, host, clock = _live(max_queued_frames=2000)   # (this host's client never reads: none dropped)
+    owner = Peer("owner")
+    token = _open(live, owner)
+    session = live.table.get(token)
+    reach = session.lead + 1
+    first = _audio(live, owner, token, 50, utterance=1)["first_frame"]
+    for i in range(9):
+        _audio(live, owner, token, 50, utterance=1, last=i == 8)
+    asked = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
+    assert asked == list(range(first, session.now_index(clock.now()) + HORIZON_REACHES * reach + 1)), asked
+    seen = len(host.of(Kind.COMPOSITE, SpeechBatch))
+    end = first + 500
+    while session.next_index < end:
+        _serve(live, host, clock, 1 / FPS, "speech")
+        batches = host.of(Kind.COMPOSITE, SpeechBatch)
+        base = session.now_index(clock.now())
+        for r in batches[seen:]:
+            ks = [k for _, k, _ in r.work.targets]
+            assert max(ks) <= base + HORIZON_REACHES * reach, (base, ks)
+            assert min(ks) >= base + RELEASE_REACHES * reach - 1, ("less than its budget to spare", base, ks)
+            assert len(ks) >= reach - 1 or max(ks) == end - 1, ks
+        seen = len(batches)
+    asked = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
+    assert asked == list(range(first, end)), "each frame asked for once, in order"
+    speech = [h["index"] for h, _ in _frames(host, owner) if h["kind"] == "speech"]
+    assert speech == list(range(first, end))
+    # an interrupt while most of an utterance is held: none of it is asked for after
+    two = _audio(live, owner, token, 50, utterance=2)["first_frame"]
+    for _ in range(3):
+        _audio(live, owner, token, 50, utterance=2)
+    before = len(host.of(Kind.COMPOSITE, SpeechBatch))
+    live.handle(_call("session_interrupt", owner, session=token), [])
+    _serve(live, host, clock, 8.0, "speech")
+    assert not host.of(Kind.COMPOSITE, SpeechBatch)[before:], "held speech of a cut utterance was asked for"
+    assert not [h for h, _ in _frames(host, owner) if h["index"] >= two and h["kind"] == "speech"]
+    # a close while an utterance is held: nothing of it is kept, or asked for after
+    for _ in range(4):
+        _audio(live, owner, token, 50, utterance=3)
+    before = len(host.of(Kind.COMPOSITE, SpeechBatch))
+    live.handle(_call("session_close", owner, session=token), [])
+    assert not live.speech._held
+    _serve(live, host, clock, 8.0, "speech")
+    assert len(host.of(Kind.COMPOSITE, SpeechBatch)) == before
 
 
 def test_speech_waiting_to_share_a_batch_is_submitted_by_the_pacers_tick_when_it_rings_first():
@@ -331,7 +393,7 @@ def test_a_cut_utterance_in_flight_never_fills_the_next_utterances_frames():
     clock.advance(1 / FPS)
     _composite(live, host.of(Kind.COMPOSITE, SpeechBatch)[1], "two")
     _composite(live, cut, "cut")   # utterance 1's images arrive last, on frames that utterance 2 holds
-    clock.advance((two["first_frame"] + 22) / FPS)
+    _serve(live, host, clock, (two["first_frame"] + 22) / FPS, "two")
     frames = _frames(host, owner)
     assert not [h for h, d in frames if d[0].startswith(b"cut")], "a frame of the interrupted utterance went out"
     speech = [h for h, d in frames if h["kind"] == "speech"]
@@ -936,12 +998,13 @@ def test_a_features_utterances_frames_are_inferred_once_their_lookahead_rows_arr
     assert inferred() == [first], "frame 0 needs rows 0 .. 7: only it"
     rows(2, 1.0, utterance=1, last=True)
     assert inferred() == list(range(first, first + 10))
-    second = rows(10, 2.0, utterance=2, last=True)["first_frame"]
     batches = host.of(Kind.COMPOSITE, SpeechBatch)
-    clock.advance(1 / FPS)
-    [r] = host.of(Kind.COMPOSITE, SpeechBatch)[len(batches):]
-    assert [k for _, k, _ in r.work.targets] == list(range(second, second + 10))
-    window = np.frombuffer(r.inputs.audio, "<f4").reshape(10, 16, 512)[0]
+    second = rows(10, 2.0, utterance=2, last=True)["first_frame"]
+    clock.advance(12 / FPS)   # (its last frames lie beyond the horizon at first: live/speech.py)
+    later = host.of(Kind.COMPOSITE, SpeechBatch)[len(batches):]
+    assert [k for r in later for _, k, _ in r.work.targets] == list(range(second, second + 10))
+    r = later[0]
+    window = np.frombuffer(r.inputs.audio, "<f4").reshape(r.batch, 16, 512)[0]
     assert (window[:8] == 0).all() and (window[8:] == 2.0).all(), "its first window: zeros, then its own rows"
 
 

@@ -261,8 +261,13 @@ class Scheduler:
         worker = self._pick(r.model)
         if worker is None:
             return self._finish(r, ErrorCode.UNAVAILABLE, self.no_worker_message())
-        if len(worker.queue) >= self.queue_depth:
-            return self._finish(r, ErrorCode.OVERLOADED, f"inference worker {worker.index} has {len(worker.queue)} "
+        # NOTE: a live session's speech is never refused here: admission bounds it (its sessions, each with
+        # a latency budget or two of speech in requests, live/speech.py), and refused it is a frame missed
+        # for sure. Only the requests of clients count against limits.queue_depth, so that a client's
+        # flood of them cannot cost a live session its speech.
+        if len(worker.queue) >= self.queue_depth and not _live(r) and \
+                (queued := sum(1 for q in worker.queue if not _live(q))) >= self.queue_depth:
+            return self._finish(r, ErrorCode.OVERLOADED, f"inference worker {worker.index} has {queued} "
                                 "requests queued (limits.queue_depth); retry later")
         r.worker = worker.index
         worker.active.add(r.req)
@@ -588,6 +593,11 @@ class Scheduler:
 
 def _due(r: Request) -> float:
     return r.inputs.due if r.inputs is not None and r.inputs.due else r.deadline
+
+
+def _live(r: Request) -> bool:
+    """A live session's speech (it has a due time)."""
+    return r.inputs is not None and r.inputs.due > 0
 
 
 def merge_model_stats(reports: list[StatsReport]) -> dict[str, dict[str, float]]:

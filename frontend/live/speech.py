@@ -5,10 +5,20 @@ to their sessions (live/timeline.py), held until due instead of being replied.
 
 Fewer, larger requests are what keeps many sessions on time: each request holds an input and an
 output slot.
+
+Speech sent far ahead of real time (a TTS burst: up to sessions.max_ahead_s) waits here. A session's
+reach is where speech spoken now lands (its `lead`, a latency budget, and a frame for the pacer's tick):
+frames within HORIZON_REACHES reaches of the stream go to inference at once, later ones are held until
+the first of them is within RELEASE_REACHES, and then go up to the horizon again, several together.
+Each held frame still gets more than the budget a frame spoken in real time gets, chunks streamed in
+real time are never held, and a session has at most a few requests in the engine whatever it sent.
+Sent at once, 30 s of one session's speech were a hundred requests ahead of every other session's,
+and filled the workers' queues (limits.queue_depth) and input rings.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,6 +34,17 @@ from frontend.live.timeline import LiveSession, SessionTable
 
 log = logging.getLogger(__name__)
 BATCH_WAIT_FRAMES = 1    # how long speech frames wait for other sessions' to share a batch, in frames
+HORIZON_REACHES = 3      # a session's speech within this many reaches goes to inference (module doc)
+RELEASE_REACHES = 2      # held speech goes once its first frame is within this many
+
+
+@dataclass
+class Held:
+    """A session's speech frames computable beyond the horizon, in frame order ([1] of each: its frame),
+    and how they are queued once they come within it."""
+    session: LiveSession
+    items: list
+    queue: Callable[[list, bool], tuple]   # (frames, at once) -> (queue key, its submit)
 
 
 @dataclass
@@ -72,13 +93,19 @@ class SpeechBatcher:
         self._pending: dict = {}
         self._flush_timers: dict = {}
         self._at_tick: dict = {}
+        self._held: dict[str, Held] = {}   # session token -> its speech beyond the horizon
 
     def windows(self, session: LiveSession, frames: list[int], windows: np.ndarray) -> None:
         """Speech windows of every session on the same model (and output format) share a batch."""
         key = self._key(session, -1)
         items = [(session.token, k, session.background(k), session.needed_by(k), w, session.utterance_at(k))
                  for k, w in zip(frames, windows)]
-        self._queue(key, items, lambda part: self._submit_batch(key, part), session)
+
+        def queue(part: list, at_once: bool) -> tuple:
+            submit = lambda batch: self._submit_batch(key, batch)   # noqa: E731
+            self._queue(key, part, submit, session, now=at_once)
+            return key, submit
+        self._admit(session, items, queue)
 
     def pcm(self, session: LiveSession, ready: list, last: bool) -> None:
         """A pcm16 session's frames now computable, [(stream, frame, rows)] (LiveSession.pcm)."""
@@ -87,18 +114,63 @@ class SpeechBatcher:
         # lookahead's frames (about half a second's) computable at once, and its first frame, due a budget
         # from now, would wait for the whole request, frames due long after it included.
         most = max(1, round(self.latency_budget_ms / 1000 * session.fps))
-        self._queue(session.token, ready, lambda items: self._infer_pcm(session, items), session, now=last,
-                    most=most)
+
+        def queue(part: list, at_once: bool) -> tuple:
+            submit = lambda items: self._infer_pcm(session, items)   # noqa: E731
+            self._queue(session.token, part, submit, session, now=at_once, most=most)
+            return session.token, submit
+        self._admit(session, ready, queue, last)
+
+    def _admit(self, session: LiveSession, items: list, queue, last: bool = False) -> None:
+        """New computable speech frames of `session` ([1] of each: its frame, in order): those within
+        the horizon are queued now, the rest held (behind any it holds already) until the pacer's ticks
+        bring them within it (`_release`)."""
+        held = self._held.get(session.token)
+        if held is None:
+            cut = self._cut(session, items)
+            now_items, items = items[:cut], items[cut:]
+            if now_items:
+                # (nothing comes before the rest is released: no reason to wait for more)
+                queue(now_items, last or bool(items))
+            if not items:
+                return
+            held = self._held[session.token] = Held(session, [], queue)
+        held.items += items
+
+    def _cut(self, session: LiveSession, items: list, held: bool = False) -> int:
+        """How many of a session's frames `items` go now: those within HORIZON_REACHES of the stream;
+        `held` ones only once the first is within RELEASE_REACHES (so that they go several together)."""
+        base, reach = session.now_index(self.clock.now()), session.lead + 1
+        if not items or items[0][1] > base + (RELEASE_REACHES if held else HORIZON_REACHES) * reach:
+            return 0
+        return bisect.bisect_right(items, base + HORIZON_REACHES * reach, key=lambda item: item[1])
+
+    def _release(self) -> dict:
+        """Held speech now within the horizon, queued: {queue key: its submit} to flush."""
+        touched = {}
+        for token in list(self._held):
+            held = self._held[token]
+            cut = self._cut(held.session, held.items, held=True)
+            if cut:
+                part = held.items[:cut]
+                del held.items[:cut]
+                key, submit = held.queue(part, False)
+                touched[key] = submit
+            if not held.items:
+                del self._held[token]
+        return touched
 
     def interrupt(self, session: LiveSession) -> None:
         """An interrupt: the session's speech frames waiting to share a batch go, wherever they wait
         (its own pcm16 queue, or its model's window queue with other sessions' frames)."""
         self._pending.pop(session.token, None)
+        self._held.pop(session.token, None)
         for key, pending in self._pending.items():
             pending[:] = [item for item in pending if item[0] != session.token]
 
     def close(self, session: LiveSession) -> None:
         self._pending.pop(session.token, None)
+        self._held.pop(session.token, None)
         self._at_tick.pop(session.token, None)
         timer = self._flush_timers.pop(session.token, None)
         if timer is not None:
@@ -167,9 +239,11 @@ class SpeechBatcher:
                 self._flush_timers[key] = self.clock.call_at(due, lambda: self._flush(key, submit))
 
     def tick(self) -> None:
-        """The pacer rang: submit the frames that waited for it."""
+        """The pacer rang: submit the frames that waited for it, and the held ones now within the
+        horizon (every session's together: windows of one model share batches)."""
+        released = self._release() if self._held else {}
         waiting, self._at_tick = self._at_tick, {}
-        for key, submit in waiting.items():
+        for key, submit in {**waiting, **released}.items():
             self._flush(key, submit)
 
     def _flush(self, key, submit) -> None:
