@@ -84,7 +84,9 @@ class InferenceWorker:
         self.encoders = AudioEncoders(device, config.limits.max_batch, inf.intra_op_threads, inf.spin_threads)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
-        self._step_s: deque[float] = deque(maxlen=STEPS_TIMED)   # the last steps' seconds, start to end
+        # each architecture's last steps' seconds, start to end (a slow model's steps say nothing of how
+        # long another's take: weighed by them, a small model's every task looked doomed)
+        self._step_s: dict[object, deque[float]] = {}
         # NOTE: one thread makes every device call of a step (the encoder's too: onnxruntime keeps a CUDA
         # graph per thread, and a capture meets no other call of this worker's); it touches no socket
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix=f"lsync-gpu{index}-device",
@@ -315,7 +317,7 @@ class InferenceWorker:
         # NOTE: weighed again: the step that ran before it may have lasted longer than steps do (a new
         # shape's first call on a card stalls for seconds), and a client may have gone meanwhile
         now = time.monotonic()
-        ends, kept = now + self._expected_step_s(), []
+        ends, kept = now + self._expected_step_s(group), []
         for job in step.jobs:
             why = self._late(job.task, now, ends) or self._gone(job.task)
             if why:
@@ -376,8 +378,10 @@ class InferenceWorker:
         if not tasks:
             return None
         now = time.monotonic()
-        step_s = self._expected_step_s()
-        starts = now if topping_up or self._flight is None else max(now, self._flight_started + step_s)
+        step_s = self._expected_step_s(self.registry.loaded[tasks[0].model].runner.group) \
+            if tasks[0].model in self.registry.loaded else 0.0
+        starts = now if topping_up or self._flight is None else \
+            max(now, self._flight_started + self._expected_step_s(self._flight[0].jobs[0].runner.group))
         jobs: list[Job] = []
         for i, task in enumerate(tasks):
             try:
@@ -399,18 +403,20 @@ class InferenceWorker:
             self._fail(job, code, message)
         self._answer_ran(step)
         if step.kind:
-            self._step_s.append(step.seconds)
+            self._step_s.setdefault(step.jobs[0].runner.group, deque(maxlen=STEPS_TIMED)).append(step.seconds)
             self._steps["steps"] += 1
             self._steps["device_busy_s"] += step.seconds
         if step.calls:   # (the GPU path's: a CPU call holds one frame)
             self.to_frontend.first(pack(StepDone(worker=self.index, kind=step.kind, calls=step.calls,
                                                   seconds=step.seconds)))
 
-    def _expected_step_s(self) -> float:
-        """How long a step takes now: the median of the last STEPS_TIMED (0 until three have run)."""
-        if len(self._step_s) < 3:
+    def _expected_step_s(self, group: object) -> float:
+        """How long a step of `group` (an architecture) takes now: the median of its last STEPS_TIMED (0
+        until three have run)."""
+        timed = self._step_s.get(group, ())
+        if len(timed) < 3:
             return 0.0
-        return sorted(self._step_s)[len(self._step_s) // 2]
+        return sorted(timed)[len(timed) // 2]
 
     def _begin(self, task: InferTask, wait: bool, ends: float) -> Optional[Job]:
         """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and inputs;
@@ -461,8 +467,8 @@ class InferenceWorker:
         if now > task.deadline:
             return f"waited {queue_ms:.0f} ms in the inference queue, past the deadline"
         if ends > task.deadline:
-            return (f"waited {queue_ms:.0f} ms in the inference queue; with steps of "
-                    f"{self._expected_step_s() * 1000:.0f} ms now, it would end past its deadline")
+            return (f"waited {queue_ms:.0f} ms in the inference queue; with the steps before it and its own, "
+                    f"it would end {(ends - now) * 1000:.0f} ms from now, past its deadline")
         return ""
 
     def _gone(self, task: InferTask, stage: str = "queued") -> str:

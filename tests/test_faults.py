@@ -127,6 +127,15 @@ def test_a_clients_flood_of_requests_costs_a_live_session_none_of_its_speech(ser
     assert stats["frames_speech"] + stats["missed"] == 50, stats
 
 
+def test_a_slow_models_steps_do_not_make_a_fast_models_request_look_too_late_to_run(server):
+    """The worker answers `timeout` without running a request whose step would end past its deadline,
+    judged by how long steps take: those of the request's own architecture. After steps of a slow model
+    (unet328), a request on the tiny model whose deadline is half a slow step away is served."""
+    slow_s = min(_cost_s(server, batch=2) for _ in range(5))   # (ten slow steps: all the worker timed lately)
+    results = asyncio.run(_burst(server.endpoint, 1, model="fast", timeout_ms=max(1, int(500 * slow_s))))
+    assert _codes(results) == ["ok"], (results, slow_s)
+
+
 def test_deadline_gives_timeout_and_frees_the_slots(server):
     # Half a request's cost: the one running and the two waiting behind it all pass their deadline.
     results = asyncio.run(_burst(server.endpoint, 3, timeout_ms=max(1, int(500 * _cost_s(server)))))
