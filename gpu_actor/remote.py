@@ -41,7 +41,7 @@ from shm.messages import (Goodbye, InferDone, InferTask, LoadDone, LoadModel, Mo
                           ProcessEvent, ReleaseTask, RemoteInfer, ResetRequests, StatsQuery, StatsReport, UnloadModel,
                           unpack, pack)
 from shm.requests import drop_owned_below, release_owned, same_owner_below
-from shm.ring import RingError, SlotRing, SlotRings
+from shm.ring import RingError, SlotRing, SlotRings, StaleHandle
 
 log = logging.getLogger(__name__)
 FIRST_RESOLVE_S = 2.0     # a DNS slot waits this long at start for its first answer (then: vacant)
@@ -235,9 +235,13 @@ class RemoteWorker:
             visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
             version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
             first_input=msg.first_input))]
-        if msg.visual is not None:
-            frames.append(self.inputs.read(msg.visual))
-        frames.append(self.inputs.read(msg.audio))
+        try:
+            if msg.visual is not None:
+                frames.append(self.inputs.read(msg.visual))
+            frames.append(self.inputs.read(msg.audio))
+        except StaleHandle as err:   # the frontend ended the request while it was on its way here
+            self._done(msg.req, ErrorCode.TIMEOUT, f"request was cancelled while queued ({err})")
+            return
         if not self._send_host(frames):
             self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} is not connected; retry")
             return

@@ -127,6 +127,29 @@ def test_lost_gpu_host_gives_unavailable_then_recovers_without_edge_restart(tmp_
             assert header["ok"] and len(images) == 4
 
 
+def test_a_request_that_ends_before_the_edges_forwarder_reads_it_is_dropped_and_the_forwarder_serves_on(
+        tmp_path, models, keys):
+    """The edge's frontend ends a request (its deadline) while its task still waits, unread, for the
+    forwarder to the GPU host: the forwarder, reading it then, finds its inputs freed and drops it,
+    and goes on serving (before, it died of it, and the requests it held with it)."""
+    port = free_port()
+    with gpu_host(tmp_path, gpu_config(models, keys, port)), \
+            run_server(tmp_path, edge_config(models, keys, port), role="edge") as edge, edge.client() as c:
+        _remote_ready(c)
+        c.composite("a", AUDIO)   # (loaded: the next request's inputs are written and its task sent at once)
+        forwarder = edge.pids("gpu")[0]
+        os.kill(forwarder, signal.SIGSTOP)   # its task waits in its socket, unread
+        try:
+            with pytest.raises(ServerError) as err:
+                c.composite("a", AUDIO, timeout_ms=300)
+            assert err.value.code == "timeout", err.value
+        finally:
+            os.kill(forwarder, signal.SIGCONT)
+        header, images = c.composite("a", AUDIO, format="jpeg")
+        assert header["ok"] and len(images) == 4
+        assert edge.pids("gpu") == [forwarder], "the forwarder died of a request its frontend had ended"
+
+
 def test_a_gpu_host_answers_probes(tmp_path, models, keys):
     import json
     import urllib.request
@@ -389,6 +412,14 @@ def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, k
             time.sleep(0.2)
 
 
+def _name(process: psutil.Process) -> str:
+    """A process's name, or "" for one that ended since it was listed."""
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return ""
+
+
 def _evicts(c: Client, model: str, other: str = "b") -> bool:
     """Whether loading `other` on a GPU host of one model a worker evicts `model` (it is not pinned)."""
     c.composite(other, AUDIO)
@@ -446,7 +477,7 @@ def test_a_gpu_hosts_bridge_restarted_under_a_session_pins_its_model_again(tmp_p
             os.kill(bridge.pid, signal.SIGKILL)
             deadline = time.monotonic() + 60
             while not [p for p in psutil.Process(host.pid).children()
-                       if p.name() == "lsync-bridge0" and p.pid != bridge.pid]:
+                       if p.pid != bridge.pid and _name(p) == "lsync-bridge0"]:
                 assert time.monotonic() < deadline, "the GPU host's bridge was not restarted"
                 time.sleep(0.2)
             while True:   # (answered unavailable until the edge finds the new bridge)
