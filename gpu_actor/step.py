@@ -29,17 +29,40 @@ log = logging.getLogger(__name__)
 class Job:
     """A task of a step: its output slot (`out`: the slot's rows), its inputs (`sent`: its audio as the
     frontend sent it; `audio`: the model's windows, made on the device thread), its model's runner, the
-    time it spent building inputs and the time it waited (until its step started, less that building)."""
+    time it spent building inputs and the time it waited (until its step started, less that building).
+
+    A task larger than a step holds runs over several steps, a part of its rows each (`part`): each part
+    is a Job of its own viewing those rows of the task's Job (`whole`), which keeps the slot, the windows
+    made once, the rows done and the inference time so far."""
 
     task: InferTask
     slot: int
     out: np.ndarray
-    visual: Union[np.ndarray, VisualFrames]
+    visual: Union[np.ndarray, VisualFrames, Callable[[int, int], np.ndarray]]
     sent: np.ndarray
     runner: Runner
     built_s: float
     queue_ms: float = 0.0
     audio: Optional[np.ndarray] = None
+    whole: Optional["Job"] = None        # a part's task Job
+    rows: tuple[int, int] = (0, 0)       # a part's rows of its task
+    done: int = 0                        # (a whole) rows run so far
+    inference_ms: float = 0.0            # (a whole) its parts' inference so far
+
+    @property
+    def count(self) -> int:
+        """The rows this job runs."""
+        return self.rows[1] - self.rows[0] if self.whole is not None else self.task.batch
+
+    def part(self, start: int, end: int) -> "Job":
+        """Rows [start, end) of this task's Job, to run in a step of their own."""
+        visual = self.visual
+        if isinstance(visual, np.ndarray):
+            view = visual[start:end]
+        else:   # the avatar's crops, built per call: rows of the part are rows start.. of the task
+            view = lambda a, b: visual(start + a, start + b)   # noqa: E731
+        return Job(self.task, self.slot, self.out[start:end], view, self.sent, self.runner, 0.0, whole=self,
+                   rows=(start, end))
 
 
 @dataclass
@@ -57,7 +80,7 @@ class WorkerStep:
 
     @property
     def rows(self) -> int:
-        return sum(job.task.batch for job in self.jobs)
+        return sum(job.count for job in self.jobs)
 
 
 def run_step(step: WorkerStep, encoders: AudioEncoders, landed: Callable[[], None]) -> WorkerStep:
@@ -95,21 +118,27 @@ def _parts(jobs: list[Job]) -> list[Part]:
 def _audio_inputs(step: WorkerStep, encoders: AudioEncoders) -> list[Job]:
     """Each job's audio windows: as sent, or derived from 16 kHz PCM (a live session's encoder inputs:
     every job's together, one encoder call per encoder). The jobs whose audio is fine; the others failed."""
-    live = [job for job in step.jobs if job.task.rows is not None]
+    # (a part of a task whose windows an earlier part made takes its rows of them)
+    todo = [job for job in step.jobs if job.whole is None or job.whole.audio is None]
+    live = [job for job in todo if job.task.rows is not None]
     t0 = time.perf_counter()
     features = encoders.features_many([(j.task.model, j.task.utterance, j.task.first_input, j.sent) for j in live])
     encode_s = time.perf_counter() - t0
     computed = dict(zip(map(id, live), features))
     ok = []
     for job in step.jobs:
-        t1 = time.perf_counter()
-        try:
-            job.audio = _audio_input(job.task, job.sent, computed.get(id(job)), encoders)
-        except AssetError as err:
-            step.failed.append((job, "bad_request", str(err)))
-            continue
-        if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
-            job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
+        whole = job.whole or job
+        if whole.audio is None:
+            t1 = time.perf_counter()
+            try:
+                whole.audio = _audio_input(job.task, job.sent, computed.get(id(job)), encoders)
+            except AssetError as err:
+                step.failed.append((job, "bad_request", str(err)))
+                continue
+            if job.task.audio.dtype == "int16" or job.task.rows is not None:   # windows built from PCM here
+                job.built_s += time.perf_counter() - t1 + (encode_s if id(job) in computed else 0.0)
+        if job.whole is not None:
+            job.audio = whole.audio[job.rows[0]:job.rows[1]]
         ok.append(job)
     return ok
 

@@ -47,6 +47,10 @@ from shm.store import BackgroundStore, StoreError
 log = logging.getLogger(__name__)
 IDLE_TICK_MS = 1000
 STEPS_TIMED = 9   # the recent steps whose median is a step's expected time (one stall does not move it)
+# How long one task may hold the device in a step: a larger one runs over several steps, so that a more
+# urgent task (a live session's speech) waits at most about this long. A client's 8 frames of unet328 on
+# the CPU provider held it 1.2 s in one step, and a live session beside them missed its speech.
+STEP_QUANTUM_S = 0.040
 
 
 class InferenceWorker:
@@ -87,6 +91,8 @@ class InferenceWorker:
         # each architecture's last steps' seconds, start to end (a slow model's steps say nothing of how
         # long another's take: weighed by them, a small model's every task looked doomed)
         self._step_s: dict[object, deque[float]] = {}
+        self._row_s: dict[object, deque[float]] = {}   # and their seconds a row
+        self._partial: dict[int, Job] = {}   # tasks part run (request id -> its Job), queued for their next part
         # NOTE: one thread makes every device call of a step (the encoder's too: onnxruntime keeps a CUDA
         # graph per thread, and a capture meets no other call of this worker's); it touches no socket
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix=f"lsync-gpu{index}-device",
@@ -159,7 +165,7 @@ class InferenceWorker:
         back to answer), else until a message or a wake (a load done, the device thread's step back)."""
         if self._flight is not None and (self._flight[1].done() or self._flight[0].answered < len(self._flight[0].ran)):
             return 0
-        if self._next is None and not self._blocked and self._runnable() is not None:
+        if self._next is None and not self._blocked and self._may_prepare():
             return 0
         # (a step prepared while the device thread is free never waits here: `_advance` started it)
         return IDLE_TICK_MS
@@ -172,9 +178,6 @@ class InferenceWorker:
         self._finish_loads()
         while self.tasks.poll(0):
             self._handle(unpack(self.tasks.recv()))
-
-    def _runnable(self) -> Optional[InferTask]:
-        return next((t for t in self.queue if self._ready(t)), None)
 
     def _ready(self, task: InferTask) -> bool:
         """A task runs once its model is loaded and, audio-only, its frames' crops are in the store (the
@@ -228,6 +231,8 @@ class InferenceWorker:
         for task in [t for t in self.queue if same_owner_below(t.req, msg.floor)]:
             self.queue.remove(task)
             self.registry.finished(task.model)
+            if self._partial.pop(task.req, None) is not None:   # part run, waiting for its next part: no
+                self._on_device.discard(task.req)                  # step holds its slot (freed just below)
         for model, reqs in list(self.pending_loads.items()):
             self.pending_loads[model] = [req for req in reqs if not same_owner_below(req, msg.floor)]
         self.outputs.release_below(msg.floor, keep=self._on_device)
@@ -276,6 +281,10 @@ class InferenceWorker:
         now = time.monotonic()
         for task in [t for t in self.queue if t.deadline and t.deadline < now]:
             self.queue.remove(task)
+            whole = self._partial.get(task.req)
+            if whole is not None:
+                self._fail(whole, "timeout", "the deadline passed between two parts of the request")
+                continue
             self._done(task, "timeout", "the deadline passed while the model was loading or its backgrounds were "
                        "read")
 
@@ -302,9 +311,23 @@ class InferenceWorker:
         self._start()
         if back is not None:   # NOTE: before a step waits for a slot: its hand-offs free them
             self._finish(back)
-        if self._next is None:
+        if self._next is None and self._may_prepare():
             self._next = self._prepare(self._step_tasks(), waits=self._flight is None)
         self._start()
+
+    def _may_prepare(self) -> bool:
+        """Whether to prepare the next step now: there is a runnable task, and either the device thread
+        is free or one of the most urgent task's frames runs within STEP_QUANTUM_S. A step that long
+        (one frame of a large model on the CPU) prepared while one runs would hold a more urgent task
+        that comes meanwhile for both; prepared once the device is free, it costs a moment of the host's
+        work against a step that long."""
+        task = min((t for t in self.queue if self._ready(t)), key=_urgency, default=None)
+        if task is None:
+            return False
+        if self._flight is None:
+            return True
+        row_s = _recent(self._row_s.get(self.registry.loaded[task.model].runner.group, ()))
+        return row_s is None or row_s <= STEP_QUANTUM_S
 
     def _start(self) -> None:
         """The prepared step to the device thread, if it is free: its tasks that would now end past their
@@ -349,11 +372,12 @@ class InferenceWorker:
             step.ran, step.kind, step.calls = step.ran[:step.answered], "", []
             return step
 
-    def _step_tasks(self, group: object = None, rows: int = 0) -> list[InferTask]:
-        """The next step's tasks, out of the queue: the most urgent runnable task, then the other runnable
-        tasks of its architecture, most urgent first, while their frames fit the largest call the device
-        runs (one task at least: a larger one runs as several calls). With `group`: the tasks of that
-        architecture that fit beside the `rows` a step holds already."""
+    def _step_tasks(self, group: object = None, rows: int = 0) -> list[tuple[InferTask, int]]:
+        """The next step's tasks, out of the queue, each with the rows it runs there: the most urgent
+        runnable task, then the other runnable tasks of its architecture, most urgent first, while their
+        frames fit the largest call the device runs (one task at least: a larger one runs as several calls,
+        and one that would hold the device past STEP_QUANTUM_S runs that much now and the rest in later
+        steps). With `group`: the tasks of that architecture that fit whole beside the `rows` a step holds."""
         runnable = sorted((t for t in self.queue if self._ready(t)), key=_urgency)
         if group is not None:
             runnable = [t for t in runnable if self.registry.loaded[t.model].runner.group is group]
@@ -363,31 +387,51 @@ class InferenceWorker:
         chosen = []
         for task in runnable:
             runner = self.registry.loaded[task.model].runner
-            if (not chosen and not rows) or (runner.group is first.group and rows + task.batch <= first.step_rows):
-                chosen.append(task)
-                rows += task.batch
-        for task in chosen:
+            left = self._left(task)
+            if not chosen and not rows:
+                chosen.append((task, min(left, self._span(runner))))
+                rows += chosen[0][1]
+                if chosen[0][1] < left:
+                    break   # a step of one task's part: full
+            elif runner.group is first.group and rows + left <= first.step_rows:
+                chosen.append((task, left))
+                rows += left
+        for task, _ in chosen:
             self.queue.remove(task)
         return chosen
 
-    def _prepare(self, tasks: list[InferTask], waits: bool, topping_up: bool = False) -> Optional[WorkerStep]:
-        """A step of `tasks`: each its output slot and inputs (a task answered already is left out). The
-        first task waits for a slot when `waits`; a task that finds none free goes back to the queue with
-        those behind it (None when that was the first). Its deadline is weighed against when the step
-        would end: after the one running now, unless `topping_up` (it starts now)."""
+    def _left(self, task: InferTask) -> int:
+        """The rows of `task` still to run."""
+        whole = self._partial.get(task.req)
+        return task.batch - (whole.done if whole is not None else 0)
+
+    def _span(self, runner) -> int:
+        """The most rows of one task a step runs: at least one call's worth, else what runs within
+        STEP_QUANTUM_S at the architecture's recent speed (unknown until three steps were timed: all)."""
+        row_s = _recent(self._row_s.get(runner.group, ()))
+        if row_s is None:
+            return 1 << 30
+        return max(runner.step_rows, int(STEP_QUANTUM_S / max(row_s, 1e-9)))
+
+    def _prepare(self, tasks: list[tuple[InferTask, int]], waits: bool,
+                 topping_up: bool = False) -> Optional[WorkerStep]:
+        """A step of `tasks` (each with the rows it runs): each its output slot and inputs (a task answered
+        already is left out). The first task waits for a slot when `waits`; a task that finds none free
+        goes back to the queue with those behind it (None when that was the first). Its deadline is weighed
+        against when the step would end: after the one running now, unless `topping_up` (it starts now)."""
         if not tasks:
             return None
         now = time.monotonic()
-        step_s = self._expected_step_s(self.registry.loaded[tasks[0].model].runner.group) \
-            if tasks[0].model in self.registry.loaded else 0.0
+        step_s = self._expected_step_s(self.registry.loaded[tasks[0][0].model].runner.group) \
+            if tasks[0][0].model in self.registry.loaded else 0.0
         starts = now if topping_up or self._flight is None else \
             max(now, self._flight_started + self._expected_step_s(self._flight[0].jobs[0].runner.group))
         jobs: list[Job] = []
-        for i, task in enumerate(tasks):
+        for i, (task, rows) in enumerate(tasks):
             try:
-                job = self._begin(task, wait=waits and not jobs, ends=starts + step_s)
+                job = self._begin(task, wait=waits and not jobs, ends=starts + step_s, rows=rows)
             except _NoSlotFree:   # this task and the rest wait for a later step
-                self.queue.extendleft(reversed(tasks[i:]))
+                self.queue.extendleft(reversed([t for t, _ in tasks[i:]]))
                 self._blocked = not jobs and not topping_up
                 break
             if job is not None:
@@ -403,7 +447,9 @@ class InferenceWorker:
             self._fail(job, code, message)
         self._answer_ran(step)
         if step.kind:
-            self._step_s.setdefault(step.jobs[0].runner.group, deque(maxlen=STEPS_TIMED)).append(step.seconds)
+            group = step.jobs[0].runner.group
+            self._step_s.setdefault(group, deque(maxlen=STEPS_TIMED)).append(step.seconds)
+            self._row_s.setdefault(group, deque(maxlen=STEPS_TIMED)).append(step.seconds / max(step.rows, 1))
             self._steps["steps"] += 1
             self._steps["device_busy_s"] += step.seconds
         if step.calls:   # (the GPU path's: a CPU call holds one frame)
@@ -413,20 +459,25 @@ class InferenceWorker:
     def _expected_step_s(self, group: object) -> float:
         """How long a step of `group` (an architecture) takes now: the median of its last STEPS_TIMED (0
         until three have run)."""
-        timed = self._step_s.get(group, ())
-        if len(timed) < 3:
-            return 0.0
-        return sorted(timed)[len(timed) // 2]
+        return _recent(self._step_s.get(group, ())) or 0.0
 
-    def _begin(self, task: InferTask, wait: bool, ends: float) -> Optional[Job]:
+    def _begin(self, task: InferTask, wait: bool, ends: float, rows: Optional[int] = None) -> Optional[Job]:
         """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and inputs;
         None when the task is answered already (its inputs are bad or gone, or it would end past its
-        deadline: its step would end at `ends`).
+        deadline: its step would end at `ends`). `rows` fewer than it has left: its next part's Job (the
+        task's own Job, with its slot and inputs, kept for the parts after it).
         Past its deadline its frames are of no use (a live session's go out idle), and running them would
         make the tasks behind it late too: under a burst past what the device runs, every frame would be
         late rather than the burst's excess missed."""
         started = time.monotonic()
+        whole = self._partial.pop(task.req, None)
         late = self._late(task, started, ends)
+        if whole is not None:   # its next part: slot and inputs are the task's already
+            if late:
+                self._fail(whole, "timeout", late)
+                return None
+            end = whole.done + (rows if rows is not None else task.batch - whole.done)
+            return whole.part(whole.done, end)
         if late:
             self._done(task, "timeout", late)
             return None
@@ -456,7 +507,12 @@ class InferenceWorker:
             return None
         built = time.perf_counter() - t0 if task.visual is None else 0.0
         self._on_device.add(task.req)
-        return Job(task, slot, out, visual, sent, self.registry.loaded[task.model].runner, built)
+        job = Job(task, slot, out, visual, sent, self.registry.loaded[task.model].runner, built)
+        if rows is None or rows >= task.batch:
+            return job
+        first = job.part(0, rows)
+        first.built_s = built
+        return first
 
     def _late(self, task: InferTask, now: float, ends: float) -> str:
         """Why `task`, whose step would end at `ends`, is of no use any more (past its deadline, or it would
@@ -487,6 +543,7 @@ class InferenceWorker:
         return ""
 
     def _fail(self, job: Job, code: str, message: str) -> None:
+        self._partial.pop(job.task.req, None)
         self._on_device.discard(job.task.req)
         self._ended.discard(job.task.req)
         self.outputs.release(job.slot)
@@ -507,6 +564,16 @@ class InferenceWorker:
             if gone:
                 self._fail(job, "timeout", gone)
                 continue
+            if job.whole is not None:   # a part: the task's rows so far, its time counted on its Job
+                whole = job.whole
+                whole.done, whole.inference_ms = job.rows[1], whole.inference_ms + inference_ms
+                whole.built_s += job.built_s
+                whole.queue_ms = whole.queue_ms if job.rows[0] else job.queue_ms
+                if whole.done < task.batch:
+                    self._partial[task.req] = whole
+                    self.queue.append(task)   # its next part, in a later step
+                    continue
+                job, inference_ms = whole, whole.inference_ms
             built = job.built_s + (job.visual.spent_s if isinstance(job.visual, VisualFrames) else 0.0)
             self.registry.touch(task.model, task.batch)
             self.registry.stat(task.model).infer_ms.append(inference_ms)
@@ -543,6 +610,11 @@ class _NoSlotFree(Exception):
 def _waited_ms(task: InferTask, now: float) -> float:
     """How long `task` has been at this worker, ms (0 where the frontend did not say when it came)."""
     return (now - task.enqueued) * 1000 if task.enqueued else 0.0
+
+
+def _recent(timed) -> Optional[float]:
+    """The median of the last timings (STEPS_TIMED of them: one stall does not move it); None until three."""
+    return sorted(timed)[len(timed) // 2] if len(timed) >= 3 else None
 
 
 def _urgency(task: InferTask) -> float:

@@ -486,6 +486,29 @@ def test_a_clients_flood_fills_only_its_own_queue_and_live_speech_is_always_take
         assert held(engine_) == NOTHING
 
 
+def test_while_live_sessions_are_open_clients_requests_leave_half_of_the_room_to_their_speech():
+    """A client's requests on a slow model hold their room for seconds: with every bit of it theirs, a
+    live session's speech waited behind them past its due time. While live sessions are open, clients'
+    requests take at most half of a worker's room; with none open, all of it."""
+    from frontend.core.request import Inputs
+    sessions = [1]
+    e = Scheduler(["cpu0"], 2, CountedRoom(4), 16, live_sessions=lambda: sessions[0])
+    e.process_event("gpu", 0, ProcState.READY, pid=100)
+    e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.LOADED))
+    for i in range(2):
+        e.process_event("cpu", i, ProcState.READY, pid=200 + i)
+    dispatched = [bool(of(submit(e)[1], Dispatch)) for _ in range(3)]
+    assert dispatched == [True, True, False], "clients took the live sessions' half"
+    speech = Request(Kind.COMPOSITE, "m", 2, deadline=10.0, inputs=Inputs("m", 1, [0] * 2, b"", "windows", (4,),
+                                                                           due=5.0))
+    assert of(e.submit(speech, now=0.0), Dispatch), "speech found no room"
+    sessions[0] = 0   # the sessions closed: clients may have it all
+    done = e.infer_done(InferDone(req=speech.req, worker=0, ok=True))
+    assert len(of(done, Dispatch)) == 1
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
 def test_the_next_deadline_is_the_earliest_of_the_live_requests():
     """The shell arms its one timer at `next_deadline`: it must be the earliest deadline of a request
     still live (a later one would let a request's timeout pass unanswered), and an ended request's
@@ -605,6 +628,11 @@ def test_an_input_room_never_strands_a_worker(shm_name):
         assert room.take(0, request(3, 2))
         room.reset(0)   # the worker died: a new one reads none of it
         assert room.take(0, request(4, 2)) and room.take(0, request(5, 1)), "its room is all free again"
+        room.reset(0)
+        # a reserve (live sessions open) leaves half of the frames in flight: 8 -> 4
+        room = RingRoom([ring], [RingSpec("out", 8, MOUTH_BYTES)])
+        assert room.take(0, request(6, 2), reserve=True) and not room.take(0, request(7, 3), reserve=True)
+        assert room.take(0, request(8, 2), reserve=True) and room.take(0, request(9, 4)), "speech takes the rest"
     finally:
         ring.close(unlink=True)
 

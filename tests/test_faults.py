@@ -37,7 +37,9 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     # (a worker holds limits.max_batch (8) frames in flight per shm.slots)
-    cfg = base_config(models, **{"limits.queue_depth": 2, "shm.slots": 1, "metrics.port": free_port()})
+    # (admission by CPU off: the live sessions here open beside this module's bursts, on one core too)
+    cfg = base_config(models, **{"limits.queue_depth": 2, "shm.slots": 1, "metrics.port": free_port(),
+                                 "sessions.max_cpu_load": 0})
     with run_server(tmp_path_factory.mktemp("srv"), cfg) as srv:
         srv.metrics_port = cfg["metrics"]["port"]
         with srv.client() as c:
@@ -134,6 +136,62 @@ def test_a_slow_models_steps_do_not_make_a_fast_models_request_look_too_late_to_
     slow_s = min(_cost_s(server, batch=2) for _ in range(5))   # (ten slow steps: all the worker timed lately)
     results = asyncio.run(_burst(server.endpoint, 1, model="fast", timeout_ms=max(1, int(500 * slow_s))))
     assert _codes(results) == ["ok"], (results, slow_s)
+
+
+def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_request_runs_between(models, tmp_path):
+    """A request that would hold the device long (8 frames of unet328 on the CPU: a second and more) runs
+    over several steps, so that a request of another model sent meanwhile is answered within about one
+    of its frames, not after all eight; and its mouths are those of its frames run one by one."""
+    cfg = base_config(models, **{"shm.slots": 2})   # (room for both requests at the worker at once)
+    with run_server(tmp_path, cfg) as srv, srv.client(timeout_s=60) as c:
+        c.load("slow")
+        c.load("fast")
+        audio = np.random.default_rng(3).standard_normal((8, 32, 16, 16)).astype(np.float32)
+        alone = [c.composite("slow", audio[i:i + 1], start_frame=i, format="png")[1][0] for i in range(8)]
+        start = time.monotonic()
+        _, whole = c.composite("slow", audio, format="png")   # (its steps timed: it runs a frame a step)
+        slow_s = time.monotonic() - start
+        assert whole == alone, "the frames of a request run over several steps are not its own"
+
+        async def both() -> tuple[float, float]:
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+                t0 = time.monotonic()
+                slow = asyncio.create_task(client.composite("slow", audio))
+                await asyncio.sleep(slow_s / 8)   # its first frame running
+                t1 = time.monotonic()
+                await client.composite("fast", audio[:1])
+                fast_s = time.monotonic() - t1
+                await slow
+                return fast_s, time.monotonic() - t0
+        fast_s, slow_again_s = asyncio.run(both())
+    assert fast_s < slow_again_s / 3, (fast_s, slow_again_s, slow_s)
+
+
+def test_while_a_live_session_is_open_clients_requests_leave_it_half_the_workers_room(server):
+    """This server's worker holds 8 frames in flight (shm.slots 1). Two clients' requests of 4 frames
+    each on the slow model: with no live session open both go to the worker at once, the second waiting
+    there while the first runs; with one open, the second waits in the frontend until the first is done
+    (the other half is the session's speech's)."""
+    with server.client(timeout_s=60) as c:
+        for _ in range(3):   # the slow model's frames timed: a step runs one of them, none prepared ahead
+            c.composite("slow", AUDIO[:1])
+    cost = _cost_s(server)
+
+    def queued_at_the_worker_mid_burst() -> int:
+        async def main() -> int:
+            burst = asyncio.create_task(_burst(server.endpoint, 2))
+            await asyncio.sleep(cost / 2)   # the first running, the second sent
+            async with AsyncClient(server.endpoint, timeout_s=60) as client:
+                header, _ = await client.request("stats", [])
+            assert _codes(await burst) == ["ok", "ok"]
+            return header["workers"][0]["queue"]
+        return asyncio.run(main())
+
+    assert queued_at_the_worker_mid_burst() == 1
+    with Session(server.endpoint, "fast") as s:
+        frames_until(s, 0)
+        assert queued_at_the_worker_mid_burst() == 0
+    assert queued_at_the_worker_mid_burst() == 1, "the sessions' half kept after they closed"
 
 
 def test_deadline_gives_timeout_and_frees_the_slots(server):

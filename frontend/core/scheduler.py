@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Optional, Protocol, Union
+from typing import Callable, Hashable, Iterator, Optional, Protocol, Union
 
 from frontend.core.request import CLIENT_GONE, Kind, Request, State
 from shm.codes import ErrorCode, ModelEventKind, ProcState
@@ -91,13 +91,20 @@ class Fail:
 Action = Union[Dispatch, Render, SendWorker, ReleaseOutput, FreeImages, Done, Fail]
 
 
+# While live sessions are open, clients' requests leave this part of each worker's room (1 / LIVE_RESERVE:
+# half) to their speech: a client's requests on a slow model held all of it for seconds, and every speech
+# frame waited behind them past its due time.
+LIVE_RESERVE = 2
+
+
 class Room(Protocol):
     """Where a worker's dispatched requests hold their inputs: taken when the engine dispatches, freed
     the moment it no longer needs them, so the same pump can give the room to the next request. The
     shells' is their input rings (core/slots.RingRoom); `CountedRoom` is the engine's own."""
 
-    def take(self, worker: int, r: Request) -> bool:
-        """Hold the room `r`'s inputs take in `worker`'s inputs now; False when it is not free."""
+    def take(self, worker: int, r: Request, reserve: bool = False) -> bool:
+        """Hold the room `r`'s inputs take in `worker`'s inputs now; False when it is not free. `reserve`:
+        leave 1 / LIVE_RESERVE of the worker's room free, unless it holds nothing."""
 
     def free(self, worker: int, req: int) -> None:
         """The request's inputs are no longer needed (the worker answered, or the request ended)."""
@@ -113,9 +120,9 @@ class CountedRoom:
         self.slots = slots
         self.held: dict[int, set[int]] = {}
 
-    def take(self, worker: int, r: Request) -> bool:
+    def take(self, worker: int, r: Request, reserve: bool = False) -> bool:
         held = self.held.setdefault(worker, set())
-        if len(held) >= self.slots:
+        if len(held) >= self.slots - (self.slots // LIVE_RESERVE if reserve and held else 0):
             return False
         held.add(r.req)
         return True
@@ -222,9 +229,12 @@ class RequestTable:
 
 class Scheduler:
     def __init__(self, devices: list[str], n_compositors: int, room: Room, queue_depth: int,
-                 routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S, first_id: int = 1):
+                 routing: str = "affinity", stats_timeout_s: float = STATS_TIMEOUT_S, first_id: int = 1,
+                 live_sessions: Callable[[], int] = lambda: 0):
         """`room`: where dispatched requests hold their inputs (the shell's input rings); `first_id`: the
-        first request id (core/shell.first_request_id)."""
+        first request id (core/shell.first_request_id); `live_sessions()`: the live sessions open (while
+        there are any, their speech has a reserve of every worker's room: LIVE_RESERVE)."""
+        self.live_sessions = live_sessions
         self.workers = [WorkerState(i, d) for i, d in enumerate(devices)]
         self.room = room
         self.compositors = [CompositorState() for _ in range(n_compositors)]
@@ -328,7 +338,7 @@ class Scheduler:
             if r.kind is Kind.COMPOSITE and not any(c.ready for c in self.compositors):
                 no_compositor.append(r)
                 continue
-            if not self.room.take(worker.index, r):
+            if not self.room.take(worker.index, r, reserve=not _live(r) and self.live_sessions() > 0):
                 break   # NOTE: the most urgent waits for room first: smaller requests do not pass it
             plan = self._plan(r) if r.kind is Kind.COMPOSITE else []
             worker.queue.remove(r)

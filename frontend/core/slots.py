@@ -10,6 +10,7 @@ import numpy as np
 
 from config.geometry import audio_offset
 from frontend.core.request import Request
+from frontend.core.scheduler import LIVE_RESERVE
 from shm.ring import RingError, RingSpec, SlotRing, TensorRef
 
 
@@ -28,9 +29,9 @@ class RingRoom:
         self.held: list[dict[int, int]] = [{} for _ in rings]   # per worker: request -> its frames
         self._in_flight = [0] * len(rings)                      # per worker: their sum
 
-    def take(self, worker: int, r: Request) -> bool:
-        ring, held = self.rings[worker], self.held[worker]
-        if held and self._in_flight[worker] + r.batch > self.frames[worker]:
+    def take(self, worker: int, r: Request, reserve: bool = False) -> bool:
+        ring, held, frames = self.rings[worker], self.held[worker], self.frames[worker]
+        if held and self._in_flight[worker] + r.batch > frames - (frames // LIVE_RESERVE if reserve else 0):
             return False
         count = ring.slots_for(r.inputs.nbytes(r.batch))
         if count <= ring.spec.n_slots and ring.try_acquire(r.req, count) is None:

@@ -96,7 +96,7 @@ class Frontend(Shell):
         # (a worker's output ring is shared by every client-facing process: each holds its share in flight)
         room = RingRoom(inputs, run.output_rings, share=len(run.endpoints.frontend))
         engine = Scheduler(list(run.devices), len(run.endpoints.cpu), room, lim.queue_depth, config.frontend.routing,
-                           first_id=first_request_id(index))
+                           first_id=first_request_id(index), live_sessions=lambda: len(self.live.table))
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]   # read for `infer` replies
         self.images = [SlotRing.attach(s, populate=False) for s in run.image_rings]   # raw frames
