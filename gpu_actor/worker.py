@@ -107,7 +107,8 @@ class InferenceWorker:
         self._ended: set[int] = set()
         self._floors = Floors()   # a dead frontend's request ids (ResetRequests): never answered
         # stats: the steps run, those prepared while another ran, the seconds the device thread ran them
-        self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0}
+        # and those put back for a more urgent task of another architecture (`_start`)
+        self._steps = {"steps": 0, "prepared_during_a_step": 0, "device_busy_s": 0.0, "put_back": 0}
         self._stopping = False
         self._handlers = {InferTask: self._infer_task, ReleaseTask: self._release,
                           LoadModel: self._load_op, UnloadModel: self._unload_op, StatsQuery: self._stats,
@@ -165,7 +166,7 @@ class InferenceWorker:
         back to answer), else until a message or a wake (a load done, the device thread's step back)."""
         if self._flight is not None and (self._flight[1].done() or self._flight[0].answered < len(self._flight[0].ran)):
             return 0
-        if self._next is None and not self._blocked and self._may_prepare():
+        if self._next is None and not self._blocked and self._runnable() is not None:
             return 0
         # (a step prepared while the device thread is free never waits here: `_advance` started it)
         return IDLE_TICK_MS
@@ -178,6 +179,9 @@ class InferenceWorker:
         self._finish_loads()
         while self.tasks.poll(0):
             self._handle(unpack(self.tasks.recv()))
+
+    def _runnable(self) -> Optional[InferTask]:
+        return next((t for t in self.queue if self._ready(t)), None)
 
     def _ready(self, task: InferTask) -> bool:
         """A task runs once its model is loaded and, audio-only, its frames' crops are in the store (the
@@ -311,23 +315,9 @@ class InferenceWorker:
         self._start()
         if back is not None:   # NOTE: before a step waits for a slot: its hand-offs free them
             self._finish(back)
-        if self._next is None and self._may_prepare():
+        if self._next is None:
             self._next = self._prepare(self._step_tasks(), waits=self._flight is None)
         self._start()
-
-    def _may_prepare(self) -> bool:
-        """Whether to prepare the next step now: there is a runnable task, and either the device thread
-        is free or one of the most urgent task's frames runs within STEP_QUANTUM_S. A step that long
-        (one frame of a large model on the CPU) prepared while one runs would hold a more urgent task
-        that comes meanwhile for both; prepared once the device is free, it costs a moment of the host's
-        work against a step that long."""
-        task = min((t for t in self.queue if self._ready(t)), key=_urgency, default=None)
-        if task is None:
-            return False
-        if self._flight is None:
-            return True
-        row_s = _recent(self._row_s.get(self.registry.loaded[task.model].runner.group, ()))
-        return row_s is None or row_s <= STEP_QUANTUM_S
 
     def _start(self) -> None:
         """The prepared step to the device thread, if it is free: its tasks that would now end past their
@@ -337,6 +327,18 @@ class InferenceWorker:
             return
         step, self._next = self._next, None
         group = step.jobs[0].runner.group
+        urgent = min((t for t in self.queue if self._ready(t)), key=_urgency, default=None) \
+            if self._expected_step_s(group) > STEP_QUANTUM_S else None
+        if urgent is not None and self.registry.loaded[urgent.model].runner.group is not group and \
+                _urgency(urgent) < min(_urgency(job.task) for job in step.jobs):
+            # NOTE: a long step (a large model's frame on the CPU) prepared while another ran, and a more
+            # urgent task of another architecture came meanwhile: that one goes first, not after it
+            self._unprepare(step)
+            self._steps["put_back"] += 1
+            step = self._prepare(self._step_tasks(), waits=False, topping_up=True)
+            if step is None:
+                return
+            group = step.jobs[0].runner.group
         # NOTE: weighed again: the step that ran before it may have lasted longer than steps do (a new
         # shape's first call on a card stalls for seconds), and a client may have gone meanwhile
         now = time.monotonic()
@@ -358,6 +360,21 @@ class InferenceWorker:
             job.queue_ms = max(_waited_ms(job.task, now) - job.built_s * 1000, 0.0)   # building, its own stage
         self._flight = (step, self._device_thread.submit(run_step, step, self.encoders, self._wake))
         self._flight[1].add_done_callback(lambda _: self._wake())
+
+    def _unprepare(self, step: WorkerStep) -> None:
+        """A prepared step's tasks back to the queue as they were: a part's task to the rows it has done,
+        a whole task's output slot freed (taken again when it runs); one the frontend ended, answered."""
+        for job in step.jobs:
+            if job.whole is not None:
+                self._partial[job.task.req] = job.whole
+            else:
+                why = self._gone(job.task)
+                if why:
+                    self._fail(job, "timeout", why)
+                    continue
+                self._on_device.discard(job.task.req)
+                self.outputs.release(job.slot)
+            self.queue.append(job.task)
 
     def _landed(self) -> WorkerStep:
         step, future = self._flight
