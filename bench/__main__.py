@@ -1,4 +1,4 @@
-"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer|gpu|steps] [--seconds S] [--format jpeg|h264] ...
+"""python -m bench [all|compositing|serving|bridge|catalog|sessions|transport|cpu|h264|startup|avatars|first_words|importer|gpu|steps|beside] [--seconds S] [--format jpeg|h264] ...
 
 Builds a 1280x720 demo avatar with the unet_328-shaped model in a cache directory, then prints, in one
 run, each ratio the project is judged by (docs/benchmarks.md records them).
@@ -47,7 +47,8 @@ def main() -> int:
     started = time.monotonic()   # (the gpu bench's --budget-s counts from here: the demo's build is in it)
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     parser.add_argument("what", nargs="?", choices=["all", "compositing", "serving", "bridge", "catalog", "sessions", "transport", "cpu", "h264",
-                                                         "startup", "avatars", "first_words", "importer", "gpu", "steps"],
+                                                         "startup", "avatars", "first_words", "importer", "gpu", "steps",
+                                                         "beside"],
                         default="all")
     parser.add_argument("--seconds", type=float, default=8.0, help="seconds per serving measurement")
     parser.add_argument("--frames", type=int, default=96, help="frames per compositing measurement")
@@ -60,7 +61,8 @@ def main() -> int:
     parser.add_argument("--budget-ms", type=int, default=280, help="sessions.latency_budget_ms of the sessions and gpu benches")
     parser.add_argument("--levels", type=_counts, default=None,
                         help="sessions bench: speaking levels (sessions, comma-separated; '' for none; default "
-                             "10,20,30,40); gpu bench: its live levels (default 16,48,96,150,200 on a GPU, 1,2 on the CPU)")
+                             "10,20,30,40); gpu bench: its live levels (default 16,48,96,150,200 on a GPU, 1,2 on the "
+                             "CPU); beside bench: the client's requests in flight (default 0,1,4)")
     parser.add_argument("--silent", type=_counts, default=(100, 200, 300),
                         help="sessions bench: silent levels (sessions, comma-separated; '' for none)")
     parser.add_argument("--pcm-levels", type=_counts, default=None,
@@ -211,6 +213,9 @@ def main() -> int:
         from bench import steps
         results["steps"] = steps.run(args.levels or (6, 12), args.mixed_modes, args.cost_ms, args.speech_s, args.rounds,
                                      profile=args.profile)
+    if args.what == "beside":
+        from bench import beside
+        results["beside"] = beside.run(args.levels if args.levels is not None else (0, 1, 4))
     if args.what == "gpu":   # NOTE: not in `all`: on a GPU host it is that host's bench, minutes long
         from bench import gpu
 
