@@ -229,12 +229,14 @@ class RemoteWorker:
         if not_ready:
             self._done(msg.req, ErrorCode.UNAVAILABLE, f"GPU host {self.endpoint} {not_ready}; retry")
             return
-        budget_ms = max(msg.deadline - time.monotonic(), 0.0) * 1000 if msg.deadline else 0.0
+        now = time.monotonic()
+        budget_ms = max(msg.deadline - now, 0.0) * 1000 if msg.deadline else 0.0
         frames = [pack(RemoteInfer(
             req=msg.req, model=msg.model, batch=msg.batch, audio_shape=tuple(msg.audio.shape[1:]) or (1,),
             visual=msg.visual is not None, frames=msg.frames, composite=bool(msg.plan), budget_ms=budget_ms,
             version=msg.version, pcm=msg.audio.dtype == "int16", rows=msg.rows, utterance=msg.utterance,
-            first_input=msg.first_input))]
+            first_input=msg.first_input, due_ms=max(msg.due - now, 0.0) * 1000 if msg.due else None,
+            client=msg.client))]
         try:
             if msg.visual is not None:
                 frames.append(self.inputs.read(msg.visual))

@@ -34,6 +34,7 @@ from gpu_actor.encoder import AudioEncoders
 from gpu_actor.handoff import acquire_slot, hand_off, mouth_slots, route
 from gpu_actor.registry import Registry
 from gpu_actor.step import Job, WorkerStep, run_step
+from gpu_actor.turns import Turns
 from gpu_actor.visual import VisualFrames
 from shm.child import CannotServe, child_main
 from shm.codes import ErrorCode
@@ -83,6 +84,7 @@ class InferenceWorker:
         self.registry = Registry(device, inf, config.limits.max_batch, self._onnx_path, self._model_event, self._wake,
                                  companions=self._load_encoder)
         self.queue: deque[InferTask] = deque()
+        self.turns = Turns()                      # whose task a step takes next
         self.pending_loads: dict[str, list[int]] = {}   # model -> LoadModel request ids
         self.assets = AssetCache(config)
         self.encoders = AudioEncoders(device, config.limits.max_batch, inf.intra_op_threads, inf.spin_threads)
@@ -390,12 +392,13 @@ class InferenceWorker:
             return step
 
     def _step_tasks(self, group: object = None, rows: int = 0) -> list[tuple[InferTask, int]]:
-        """The next step's tasks, out of the queue, each with the rows it runs there: the most urgent
-        runnable task, then the other runnable tasks of its architecture, most urgent first, while their
+        """The next step's tasks, out of the queue, each with the rows it runs there: the runnable task
+        whose turn it is (gpu_actor/turns.py: live speech due soonest, then clients' tasks shared fairly),
+        then the other runnable tasks of its architecture in their turns, while their
         frames fit the largest call the device runs (one task at least: a larger one runs as several calls,
         and one that would hold the device past STEP_QUANTUM_S runs that much now and the rest in later
         steps). With `group`: the tasks of that architecture that fit whole beside the `rows` a step holds."""
-        runnable = sorted((t for t in self.queue if self._ready(t)), key=_urgency)
+        runnable = self.turns.order((t for t in self.queue if self._ready(t)), self._left)
         if group is not None:
             runnable = [t for t in runnable if self.registry.loaded[t.model].runner.group is group]
         if not runnable:
@@ -413,8 +416,9 @@ class InferenceWorker:
             elif runner.group is first.group and rows + left <= first.step_rows:
                 chosen.append((task, left))
                 rows += left
-        for task, _ in chosen:
+        for task, taken in chosen:
             self.queue.remove(task)
+            self.turns.taken(task, taken)
         return chosen
 
     def _left(self, task: InferTask) -> int:

@@ -56,6 +56,7 @@ class InferTask(_Msg):
     utterance: str = ""              # ... whose inputs are numbers first_input .. +J-1 of this utterance:
     first_input: int = 0             # the worker encodes each (utterance, number) once and keeps it
     due: float = 0.0                 # when its first frame must go out (a live session's); 0: at its deadline
+    client: Count = 0                # whose share of the worker it takes, numbered by its frontend (0: none)
 
 
 class ReleaseTask(_Msg):
@@ -92,7 +93,8 @@ class ResetRequests(_Msg):
 
 class RemoteInfer(_Msg):
     """An InferTask as it crosses hosts: tensors follow as raw frames ([visual], audio), and the
-    deadline travels as the budget left when it was sent, re-anchored on the GPU host's own clock."""
+    deadline (and a live session's due time) travels as the budget left when it was sent, re-anchored on
+    the GPU host's own clock."""
 
     req: Count
     model: str
@@ -107,6 +109,10 @@ class RemoteInfer(_Msg):
     rows: Optional[list[list[int]]] = None   # the audio frame is encoder inputs (InferTask.rows)
     utterance: str = ""
     first_input: int = 0
+    # a live session's speech: ms left until its first frame must go out (InferTask.due), re-anchored
+    # like budget_ms, so that the GPU host gives it what the edge would; None: a client's request
+    due_ms: Optional[Annotated[float, msgspec.Meta(ge=0)]] = None
+    client: Count = 0                   # InferTask.client: the edge's number for the client it is for
 
 
 # -- inference worker -> compositing process -----------------------------------------------

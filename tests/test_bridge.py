@@ -412,6 +412,62 @@ def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, k
             time.sleep(0.2)
 
 
+def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys):
+    """An edge's client keeps the GPU host's queue full (its limits.queue_depth 2, a request of 8 frames in
+    flight) and gets `overloaded` from there for the rest; a live session on the edge speaking meanwhile
+    has every speech frame taken there, none refused: its requests cross with their due time, and the
+    GPU host, like a single host, counts only clients' requests against its queue."""
+    import threading
+    from lipsync_client import Session
+    from tests.helpers import frames_until
+    port = free_port()
+    host_cfg = gpu_config(models, keys, port)
+    host_cfg["limits"].update(queue_depth=2)
+    host_cfg["shm"]["slots"] = 1
+    stop, codes = threading.Event(), []
+    with gpu_host(tmp_path, host_cfg), \
+            run_server(tmp_path, edge_config(models, keys, port, **{"sessions.max_cpu_load": 0, "shm.slots": 8,
+                                                                    "limits.queue_depth": 16}),
+                       role="edge") as edge, edge.client() as c:   # (the edge: room for 8 requests in flight)
+        _remote_ready(c)
+        c.load("b")
+
+        def flood() -> None:
+            async def main() -> None:
+                async with AsyncClient(edge.endpoint, timeout_s=60) as client:
+                    async def one() -> None:
+                        while not stop.is_set():
+                            try:
+                                await client.composite("b", np.zeros((8, 32, 16, 16), np.float32))
+                                codes.append("ok")
+                            except ServerError as err:   # (the GPU host's refusal: its queue of 2)
+                                full = err.code == "overloaded" and "has 2 requests queued" in err.message
+                                codes.append("overloaded" if full else err.code)
+                                await asyncio.sleep(0.005)
+                    await asyncio.gather(*(one() for _ in range(12)))
+            asyncio.run(main())
+
+        thread = threading.Thread(target=flood)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 30
+            while "overloaded" not in codes:
+                assert time.monotonic() < deadline, f"the flood never filled the GPU host's queue: {codes[-10:]}"
+                time.sleep(0.01)
+            with Session(edge.endpoint, "b") as s:
+                frames_until(s, 0)
+                refused = codes.count("overloaded")
+                reply = s.send_audio(np.zeros((50, 32, 16, 16), np.float32), last=True)
+                frames_until(s, reply["first_frame"] + 50)
+                stats = s.stats()
+            assert codes.count("overloaded") > refused, "the GPU host's queue was not full while the session spoke"
+        finally:
+            stop.set()
+            thread.join()
+    assert "failed (overloaded)" not in stats["missed_in"], stats
+    assert stats["frames_speech"] + stats["missed"] == 50, stats
+
+
 def _name(process: psutil.Process) -> str:
     """A process's name, or "" for one that ended since it was listed."""
     try:

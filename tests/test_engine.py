@@ -33,14 +33,15 @@ def held(e: Scheduler) -> dict:
     """What the engine still holds for anyone: must be nothing once every request has ended."""
     return {"requests": len(e.table), "slots": sum(map(len, e.room.held.values())),
             "active": sum(len(w.active) for w in e.workers) + sum(len(c.active) for c in e.compositors),
-            "queued": sum(len(w.queue) for w in e.workers), "connections": e.table.connections()}
+            "queued": sum(len(w.queue) for w in e.workers), "connections": e.table.connections(),
+            "clients": len(e._clients)}
 
 
-NOTHING = {"requests": 0, "slots": 0, "active": 0, "queued": 0, "connections": 0}
+NOTHING = {"requests": 0, "slots": 0, "active": 0, "queued": 0, "connections": 0, "clients": 0}
 
 
 def submit(e: Scheduler, kind=Kind.COMPOSITE, model="m", batch=4, deadline=100.0, conn="c1"):
-    r = Request(kind, model, batch, deadline=deadline, conn=conn)
+    r = Request(kind, model, batch, deadline=deadline, conn=conn, client=conn)
     return r, e.submit(r, now=0.0)
 
 
@@ -471,7 +472,7 @@ def test_a_clients_flood_fills_only_its_own_queue_and_live_speech_is_always_take
     live = [speech(5.0 + i) for i in range(3)]
     for r in live:
         assert not ends(e.submit(r, now=0.0)), "live speech refused by a queue full of client requests"
-    _, actions = submit(e, conn="other")
+    _, actions = submit(e, conn="flood")
     assert ends(actions)[0].code is ErrorCode.OVERLOADED and "has 2 requests queued" in ends(actions)[0].message
     done = e.infer_done(InferDone(req=running.req, worker=0, ok=True))
     assert [a.request for a in of(done, Dispatch)] == [live[0]]
@@ -484,6 +485,54 @@ def test_a_clients_flood_fills_only_its_own_queue_and_live_speech_is_always_take
     for engine_ in (e, e2):
         engine_.shutdown("stop")
         assert held(engine_) == NOTHING
+
+
+def test_a_full_queue_refuses_the_client_holding_most_of_it_not_the_newcomer():
+    """A client keeping the queue full must not keep another's requests out: the newcomer of another
+    client takes the place of the flooding client's newest request (answered `overloaded`, saying why);
+    the flooding client's own next request is refused; once both hold as much, either's next is theirs
+    to lose."""
+    e = engine(slots=1, queue_depth=4)
+    submit(e, conn="flood")   # running
+    flood = [submit(e, conn="flood")[0] for _ in range(4)]
+    other, actions = submit(e, conn="other")
+    (out,) = ends(actions)
+    assert out.request is flood[-1] and out.code is ErrorCode.OVERLOADED
+    assert "pushed out" in out.message and "4 of its 4" in out.message and "limits.queue_depth" in out.message
+    _, actions = submit(e, conn="flood")
+    assert ends(actions)[0].code is ErrorCode.OVERLOADED and "3 of them yours" in ends(actions)[0].message
+    second, actions = submit(e, conn="other")
+    assert [a.request for a in ends(actions)] == [flood[-2]]
+    _, actions = submit(e, conn="other")   # 2 and 2: the newcomer's own client holds as much as any
+    assert ends(actions)[0].code is ErrorCode.OVERLOADED and "2 of them yours" in ends(actions)[0].message
+    assert [r for r in e.workers[0].queue] == [flood[0], flood[1], other, second]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+def test_a_client_with_many_requests_out_waits_behind_anothers_one():
+    """Room goes first to the client with the fewest frames on the worker (in flight there, and queued
+    before): a client that sent ten requests at once has the next free room after another client's one
+    request, not after its own other nine; live speech still goes first."""
+    from frontend.core.request import Inputs
+    e = engine(slots=2, queue_depth=16)
+    flood = [submit(e, conn="flood", deadline=50.0 + i)[0] for i in range(10)]
+    assert sum(r.dispatched for r in flood) == 2
+    other, actions = submit(e, conn="other", deadline=99.0)   # due after every one of the flood's
+    assert not of(actions, Dispatch)
+    done = e.infer_done(InferDone(req=flood[0].req, worker=0, ok=True))
+    assert [a.request for a in of(done, Dispatch)] == [other], "the flood's next request passed the other's"
+    again, _ = submit(e, conn="other", deadline=99.5)
+    speech = Request(Kind.COMPOSITE, "m", 2, deadline=200.0, inputs=Inputs("m", 1, [0] * 2, b"", "windows", (4,),
+                                                                            due=150.0))
+    e.submit(speech, now=0.0)
+    done = e.infer_done(InferDone(req=flood[1].req, worker=0, ok=True))
+    assert [a.request for a in of(done, Dispatch)] == [speech]
+    # the other client holds 4 frames in flight, the flood none: the flood's next goes before the other's
+    done = e.infer_done(InferDone(req=speech.req, worker=0, ok=True))
+    assert [a.request for a in of(done, Dispatch)] == [flood[2]]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
 
 
 def test_while_live_sessions_are_open_clients_requests_leave_half_of_the_room_to_their_speech():

@@ -469,3 +469,78 @@ def test_a_restarted_frontends_requests_get_their_own_mouths_not_those_run_for_t
     # the new frontend's requests were sent while the dead one's step still ran (what this test is about)
     assert sent_at < running_since + frames * CALL_S, (sent_at - running_since, frames)
     assert ran == frames + len(work), (ran, frames)   # the dead frontend's first request, and the new ones
+
+
+def test_a_client_with_many_requests_at_the_worker_shares_it_with_anothers_one(tmp_path):
+    """One client's eight requests reach the worker at once, each a step of its own (limits.max_batch
+    frames, a step CALL_MS long); another client's request, sent once the first of them is answered,
+    runs after the step running then and the one prepared behind it (gpu_actor/turns.py), not after
+    all of the first client's."""
+    root = tmp_path / "models"
+    make_avatar(root, "a", kind="tiny")
+    # (shm.slots 8: the rings hold all eight requests of max_batch frames at once)
+    cfg = base_config(root, **{"limits.max_batch": 4, "limits.queue_depth": 16, "shm.slots": 8})
+    rng = np.random.default_rng(5)
+    audio = rng.standard_normal((4, 32, 16, 16)).astype(np.float32)
+    with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},0"}) as srv:
+        with srv.client(timeout_s=120) as c:
+            c.load("a")
+
+        async def main() -> list[str]:
+            order: list[str] = []
+            async with AsyncClient(srv.endpoint, timeout_s=120) as many, \
+                    AsyncClient(srv.endpoint, timeout_s=120) as one:
+                async def send(client: AsyncClient, name: str, k: int) -> None:
+                    await client.composite("a", audio, start_frame=k)
+                    order.append(name)
+                flood = [asyncio.create_task(send(many, f"many{k}", k)) for k in range(8)]
+                while not order:
+                    await asyncio.sleep(0.01)
+                await send(one, "one", 0)
+                await asyncio.gather(*flood)
+            return order
+
+        order = asyncio.run(main())
+    # answered before it: the first, the one running when it came, the one prepared behind that (and one
+    # more where this host took a whole step to send it); in deadline order it came after all eight
+    assert order.index("one") <= 4, order
+
+
+def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first():
+    """gpu_actor/turns.py alone: two clients that keep tasks queued get equal frames whatever their tasks'
+    sizes; a client's tasks run in deadline order; a newcomer's first task goes before the queued tasks
+    of a client that has been served; a live session's speech goes before all, due soonest first; a
+    client is a frontend's number for it within that frontend."""
+    from gpu_actor.turns import Turns
+    from shm.messages import InferTask
+    from shm.requests import first_id
+    from shm.ring import TensorRef
+
+    ids = iter(range(first_id(1, 0), first_id(1, 0) + 1000))
+
+    def task(client: int, batch: int, deadline: float = 100.0, due: float = 0.0, owner: int = 1) -> InferTask:
+        req = next(ids) if owner == 1 else first_id(owner, 0)
+        return InferTask(req=req, model="m", batch=batch, audio=TensorRef("r", 0, 0, 0, "float32", (batch,)), visual=None,
+                         frames=[0] * batch, plan=[], deadline=deadline, due=due, client=client)
+
+    turns = Turns()
+    queue = [task(1, 8, deadline=50.0 + k) for k in range(10)] + [task(2, 2, deadline=90.0 + k) for k in range(40)]
+    served = {1: 0, 2: 0}
+    for _ in range(20):
+        first = turns.order(queue, lambda t: t.batch)[0]
+        queue.remove(first)
+        turns.taken(first, first.batch)
+        served[first.client] += first.batch
+    assert abs(served[1] - served[2]) <= 8, served
+    # deadline order within a client; a newcomer, and another frontend's client of the same number, next
+    mine = [task(1, 8, deadline=80.0), task(1, 8, deadline=60.0)]
+    newcomer, elsewhere = task(3, 4, deadline=200.0), task(1, 4, deadline=300.0, owner=2)
+    speech = [task(0, 1, due=7.0), task(0, 1, due=5.0)]
+    order = turns.order(queue + mine + [newcomer, elsewhere] + speech, lambda t: t.batch)
+    assert order[:2] == [speech[1], speech[0]]
+    assert order.index(newcomer) <= 3 and order.index(elsewhere) <= 3, [t.client for t in order]
+    assert order.index(mine[1]) < order.index(mine[0])
+    # a newcomer with many tasks gets its share from now on, not the whole past's worth
+    burst = [task(4, 8, deadline=40.0 + k) for k in range(5)]
+    order = turns.order(queue + burst, lambda t: t.batch)
+    assert {t.client for t in order[:4]} != {4}, [t.client for t in order]

@@ -44,6 +44,7 @@ from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Pins, Ping, Pong, ProcessEvent,
                           RemoteInfer, StatsQuery, StatsReport, UnloadModel, pack, unpack)
+from shm.requests import owner_of
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,10 @@ class BridgeServer(Shell):
             ring.become_writer()
         self.outputs = [SlotRing.attach(s) for s in run.output_rings]
         room = RingRoom(inputs, run.output_rings, share=len(run.endpoints.frontend))
+        # (edges' live sessions: each pins its model here; while any do, their speech has its reserve)
         engine = Scheduler(list(run.devices), 0, room, config.limits.queue_depth, config.frontend.routing,
-                           STATS_WAIT_S, first_id=first_request_id(index))
+                           STATS_WAIT_S, first_id=first_request_id(index),
+                           live_sessions=lambda: sum(map(len, self._pins.values())))
         Shell.__init__(self, engine, to_gpu, inputs, config.supervisor.shutdown_timeout_s)
         self._pins: dict[tuple[bytes, str], list[int]] = {}   # (edge, model) -> the workers pinning it for it
         self._repinning: dict[tuple[bytes, str], int] = {}    # (edge, model) -> pins asked for by its Pins, in flight
@@ -272,12 +275,15 @@ class BridgeServer(Shell):
             raise BridgeError(f"tensor frames of {got} bytes; expected {want}")
         tensors = [f.bytes for f in data]
         layout = "encoder" if msg.rows is not None else ("pcm" if msg.pcm else "windows")
+        # (re-anchored on this host's clock: a live session's due time, the deadline)
         inputs = Inputs(model, msg.version, list(msg.frames), tensors[-1], layout, tuple(msg.audio_shape),
                         tensors[0] if msg.visual else None, rows=msg.rows, utterance=msg.utterance,
-                        first_input=msg.first_input, enqueued=now)
+                        first_input=msg.first_input, enqueued=now,
+                        due=0.0 if msg.due_ms is None else now + msg.due_ms / 1000)
         if msg.budget_ms:
-            deadline = now + msg.budget_ms / 1000   # re-anchored on this host's clock
-        return Request(Kind.INFER, model, msg.batch, deadline=deadline, work=call, inputs=inputs)
+            deadline = now + msg.budget_ms / 1000
+        return Request(Kind.INFER, model, msg.batch, deadline=deadline, work=call, inputs=inputs,
+                       client=(call.identity, owner_of(msg.req), msg.client))   # (the edge's frontend process)
 
     def refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
         msg = call.message

@@ -114,6 +114,10 @@ class Request:
     batch: int = 0
     deadline: float = float("inf")
     conn: Optional[Hashable] = None       # the connection it came over: its close ends the request
+    # whose share of a worker it takes: a client's tenant, else its connection (None: no client's, e.g.
+    # a live session's speech); the engine numbers it for the worker (`client`), which shares its steps
+    client: Optional[Hashable] = None
+    client_no: int = 0
     work: Optional[Work] = None           # whoever made it (a RenderWork for RENDER); never read here
     req: int = 0                          # set by the scheduler
     state: State = State.QUEUED

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Optional, Protocol, Union
 
@@ -246,6 +246,8 @@ class Scheduler:
         self._turns = itertools.count()    # compositing plans (their own count: sharing one made every
                                            # composite request take two turns, so with two workers
                                            # round_robin sent every one to the same worker)
+        self._clients: dict[Hashable, list[int]] = {}   # Request.client -> [its number, its requests]
+        self._client_nos = itertools.count(1)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -254,6 +256,10 @@ class Scheduler:
         r.req = next(self._ids)
         if r.kind is Kind.STATS:
             r.gather_deadline = now + self.stats_timeout_s
+        if r.client is not None:
+            held = self._clients.setdefault(r.client, [next(self._client_nos), 0])
+            r.client_no = held[0]
+            held[1] += 1
         self.table.add(r)
         if r.kind in (Kind.INFER, Kind.COMPOSITE):
             return self._admit(r)
@@ -275,14 +281,26 @@ class Scheduler:
         # a latency budget or two of speech in requests, live/speech.py), and refused it is a frame missed
         # for sure. Only the requests of clients count against limits.queue_depth, so that a client's
         # flood of them cannot cost a live session its speech.
+        actions: list[Action] = []
         if len(worker.queue) >= self.queue_depth and not _live(r) and \
-                (queued := sum(1 for q in worker.queue if not _live(q))) >= self.queue_depth:
-            return self._finish(r, ErrorCode.OVERLOADED, f"inference worker {worker.index} has {queued} "
-                                "requests queued (limits.queue_depth); retry later")
+                len(queued := [q for q in worker.queue if not _live(q)]) >= self.queue_depth:
+            # NOTE: a full queue refuses the client holding most of it (as fq_codel drops from the longest
+            # flow): the newcomer when that is its own client, else that client's newest request, so that
+            # a client keeping the queue full cannot keep another's requests out
+            held = Counter(q.client_no for q in queued)
+            most = max(held.values())
+            if held[r.client_no] >= most:
+                return self._finish(r, ErrorCode.OVERLOADED, f"inference worker {worker.index} has {len(queued)} "
+                                    f"requests queued (limits.queue_depth), {held[r.client_no]} of them yours; "
+                                    "retry later")
+            out = next(q for q in reversed(queued) if held[q.client_no] == most)
+            actions += self._finish(out, ErrorCode.OVERLOADED, f"pushed out of inference worker {worker.index}'s "
+                                    f"full queue for another client's request: {most} of its {len(queued)} "
+                                    "requests (limits.queue_depth) were yours; retry later", pump=False)
         r.worker = worker.index
         worker.active.add(r.req)
         worker.queue.append(r)
-        return self._pump(worker)
+        return actions + self._pump(worker)
 
     def _render(self, r: Request) -> list[Action]:
         ready = [i for i, c in enumerate(self.compositors) if c.ready]
@@ -330,9 +348,7 @@ class Scheduler:
         if not worker.ready:
             return actions
         no_compositor = []
-        # NOTE: the request due soonest first (a live session's speech before batch work, whose deadline
-        # is its timeout); requests due at the same time keep their order.
-        for r in sorted(worker.queue, key=_due):
+        for r in self._order(worker):
             if r.model not in worker.models:
                 continue
             if r.kind is Kind.COMPOSITE and not any(c.ready for c in self.compositors):
@@ -352,6 +368,27 @@ class Scheduler:
             actions += self._finish(r, ErrorCode.UNAVAILABLE, "no compositing process is ready (restarting); "
                                     "retry shortly", pump=False)
         return actions
+
+    def _order(self, worker: WorkerState) -> list[Request]:
+        """The worker's queue in the order it gets room: live sessions' speech first, due soonest first;
+        then clients' requests, the client with the fewest frames on the worker first (its requests in
+        flight there and those queued before), each client's in deadline order; ties keep their order.
+        So a client keeping many requests out waits behind another's one, not the reverse."""
+        queued = sorted(worker.queue, key=_due)
+        live = [r for r in queued if _live(r)]
+        if len(live) == len(queued):
+            return live
+        held: Counter = Counter()
+        for req in worker.active:
+            r = self.table.get(req)
+            if r is not None and r.in_slot and not _live(r):
+                held[r.client_no] += r.batch
+        ranked = []
+        for r in queued:
+            if not _live(r):
+                ranked.append((held[r.client_no], len(ranked), r))
+                held[r.client_no] += r.batch
+        return live + [r for *_, r in sorted(ranked, key=lambda x: x[:2])]
 
     def _warm(self, worker: WorkerState, model: str) -> list[Action]:
         warm = Request(Kind.WARM, model)
@@ -559,6 +596,10 @@ class Scheduler:
         """The one end of every request: one Done or Fail first, then free everything it held."""
         if self.table.pop(r.req) is None:
             return []
+        if r.client is not None and (held := self._clients.get(r.client)) is not None:
+            held[1] -= 1
+            if not held[1]:
+                del self._clients[r.client]
         actions: list[Action] = []
         if r.kind is not Kind.WARM:
             actions.append(Done(r) if code is None else Fail(r, code, message))

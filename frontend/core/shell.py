@@ -94,7 +94,8 @@ class Shell:
             req=r.req, model=inputs.model, batch=r.batch, audio=audio_ref, visual=visual_ref, frames=inputs.frames,
             plan=action.plan, format=inputs.format or "jpeg", quality=inputs.quality or 75, deadline=r.deadline,
             enqueued=inputs.enqueued or time.monotonic(), version=inputs.version, rows=inputs.rows,
-            utterance=inputs.utterance[:200], first_input=inputs.first_input, due=inputs.due)))
+            utterance=inputs.utterance[:200], first_input=inputs.first_input, due=inputs.due,
+            client=r.client_no)))
 
     def applied(self) -> None:
         """After every batch of actions (the frontend re-arms its deadline timer here)."""

@@ -137,9 +137,12 @@ class Intake:
             self._refuse(call, err)
             return
         now = time.monotonic()
+        tenant = call.reply_to.tenant
         self.server.submit(Request(kind, call.spec.id if call.spec else header.model, batch,
                                    deadline=now + self._timeout_s(header), conn=call.reply_to.conn, work=call,
-                                   inputs=inputs), now)
+                                   inputs=inputs, client=("tenant", tenant.name) if tenant else
+                                   call.reply_to.conn or call.reply_to.peer),
+                           now)
 
     def _session_op(self, call: Call, payload: list) -> None:
         header = call.header
