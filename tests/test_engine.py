@@ -510,25 +510,28 @@ def test_a_full_queue_refuses_the_client_holding_most_of_it_not_the_newcomer():
     assert held(e) == NOTHING
 
 
-def test_a_client_with_many_requests_out_waits_behind_anothers_one():
-    """Room goes first to the client with the fewest frames on the worker (in flight there, and queued
-    before): a client that sent ten requests at once has the next free room after another client's one
-    request, not after its own other nine; live speech still goes first."""
+def test_a_client_holds_half_the_room_and_one_with_many_requests_out_waits_behind_anothers_one():
+    """A client's requests hold at most half of a worker's room (unless it holds none), so another
+    client's request finds room at once; and room goes first to the client with the fewest frames on
+    the worker (in flight there, and queued before): a client that sent ten requests at once has the
+    next free room after another client's request, not before; live speech still goes first."""
     from frontend.core.request import Inputs
-    e = engine(slots=2, queue_depth=16)
+    e = engine(slots=4, queue_depth=16)
     flood = [submit(e, conn="flood", deadline=50.0 + i)[0] for i in range(10)]
-    assert sum(r.dispatched for r in flood) == 2
+    assert sum(r.dispatched for r in flood) == 2, "a client took more than half of the room"
     other, actions = submit(e, conn="other", deadline=99.0)   # due after every one of the flood's
-    assert not of(actions, Dispatch)
-    done = e.infer_done(InferDone(req=flood[0].req, worker=0, ok=True))
-    assert [a.request for a in of(done, Dispatch)] == [other], "the flood's next request passed the other's"
-    again, _ = submit(e, conn="other", deadline=99.5)
+    assert [a.request for a in of(actions, Dispatch)] == [other], "another client's request found no room"
+    third, _ = submit(e, conn="third", deadline=99.0)
+    again, actions = submit(e, conn="other", deadline=99.5)   # the room is full now
+    assert third.dispatched and not of(actions, Dispatch)
+    done = e.infer_done(InferDone(req=third.req, worker=0, ok=True))
+    assert [a.request for a in of(done, Dispatch)] == [again], "the flood's next request passed the other's"
     speech = Request(Kind.COMPOSITE, "m", 2, deadline=200.0, inputs=Inputs("m", 1, [0] * 2, b"", "windows", (4,),
                                                                             due=150.0))
     e.submit(speech, now=0.0)
-    done = e.infer_done(InferDone(req=flood[1].req, worker=0, ok=True))
+    done = e.infer_done(InferDone(req=flood[0].req, worker=0, ok=True))
     assert [a.request for a in of(done, Dispatch)] == [speech]
-    # the other client holds 4 frames in flight, the flood none: the flood's next goes before the other's
+    # the other client holds its share (two requests), the flood one: the flood's next
     done = e.infer_done(InferDone(req=speech.req, worker=0, ok=True))
     assert [a.request for a in of(done, Dispatch)] == [flood[2]]
     e.shutdown("stop")
@@ -546,7 +549,7 @@ def test_while_live_sessions_are_open_clients_requests_leave_half_of_the_room_to
     e.model_event(ModelEvent(worker=0, model="m", event=ModelEventKind.LOADED))
     for i in range(2):
         e.process_event("cpu", i, ProcState.READY, pid=200 + i)
-    dispatched = [bool(of(submit(e)[1], Dispatch)) for _ in range(3)]
+    dispatched = [bool(of(submit(e, conn=f"c{i}")[1], Dispatch)) for i in range(3)]
     assert dispatched == [True, True, False], "clients took the live sessions' half"
     speech = Request(Kind.COMPOSITE, "m", 2, deadline=10.0, inputs=Inputs("m", 1, [0] * 2, b"", "windows", (4,),
                                                                            due=5.0))
@@ -682,6 +685,13 @@ def test_an_input_room_never_strands_a_worker(shm_name):
         room = RingRoom([ring], [RingSpec("out", 8, MOUTH_BYTES)])
         assert room.take(0, request(6, 2), reserve=True) and not room.take(0, request(7, 3), reserve=True)
         assert room.take(0, request(8, 2), reserve=True) and room.take(0, request(9, 4)), "speech takes the rest"
+        room.reset(0)
+        # a client's share: half of what clients may hold (8 frames; 4 with the reserve), or one request
+        mine = [request(10, 3)]
+        assert room.take(0, mine[0])
+        assert not room.share_full(0, request(11, 1), mine) and room.share_full(0, request(12, 2), mine)
+        assert room.share_full(0, request(13, 1), mine, reserve=True)
+        assert not room.share_full(0, request(14, 8), []), "a client holding nothing may take any request"
     finally:
         ring.close(unlink=True)
 

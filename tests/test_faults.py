@@ -153,13 +153,14 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
         slow_s = time.monotonic() - start
         assert whole == alone, "the frames of a request run over several steps are not its own"
 
-        async def both() -> tuple[float, float]:
-            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+        async def both() -> tuple[float, float]:   # (two clients: one holds at most half the room)
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
+                    AsyncClient(srv.endpoint, timeout_s=60) as other:
                 t0 = time.monotonic()
                 slow = asyncio.create_task(client.composite("slow", audio))
                 await asyncio.sleep(slow_s / 8)   # its first frame running
                 t1 = time.monotonic()
-                await client.composite("fast", audio[:1])
+                await other.composite("fast", audio[:1])
                 fast_s = time.monotonic() - t1
                 await slow
                 return fast_s, time.monotonic() - t0
@@ -171,12 +172,13 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
         before = c.stats()["workers"][0]["steps"]["put_back"]
 
         async def three() -> tuple[float, float]:
-            async with AsyncClient(srv.endpoint, timeout_s=60) as client:
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
+                    AsyncClient(srv.endpoint, timeout_s=60) as other:
                 t0 = time.monotonic()
                 slow = asyncio.gather(*(client.composite("slow", audio[:4], start_frame=k) for k in range(2)))
                 await asyncio.sleep(slow_s / 4)   # both at the worker, taking turns
                 t1 = time.monotonic()
-                await client.composite("fast", audio[:1], timeout_ms=int(slow_s * 1000))   # (due sooner)
+                await other.composite("fast", audio[:1], timeout_ms=int(slow_s * 1000))   # (due sooner)
                 fast_s = time.monotonic() - t1
                 await slow
                 return fast_s, time.monotonic() - t0
@@ -187,13 +189,18 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
 
 def test_while_a_live_session_is_open_clients_requests_leave_it_half_the_workers_room(server):
     """This server's worker holds 8 frames in flight (shm.slots 1). Two clients' requests of 4 frames
-    each on the slow model: with no live session open both go to the worker at once, and the second is
-    prepared there while the first runs; with one open, the second waits in the frontend until the
-    first is done (the other half is the session's speech's), and the worker never holds it early."""
+    each on the slow model: with no live session open both go to the worker at once (each client's
+    share is half), and the second is prepared there while the first runs; with one open, the second
+    waits in the frontend until the first is done (the other half is the session's speech's), and the
+    worker never holds it early."""
+    async def two_clients() -> list:
+        return [r for results in await asyncio.gather(*(asyncio.to_thread(asyncio.run, _burst(server.endpoint, 1))
+                                                         for _ in range(2))) for r in results]
+
     def prepared_while_another_ran() -> int:
         with server.client(timeout_s=60) as c:
             before = c.stats()["workers"][0]["steps"]["prepared_during_a_step"]
-            assert _codes(asyncio.run(_burst(server.endpoint, 2))) == ["ok", "ok"]
+            assert _codes(asyncio.run(two_clients())) == ["ok", "ok"]
             return c.stats()["workers"][0]["steps"]["prepared_during_a_step"] - before
 
     assert prepared_while_another_ran() >= 1

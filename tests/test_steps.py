@@ -36,9 +36,9 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     root = tmp_path / "models"
     for seed, model in enumerate(("a", "b")):
         make_avatar(root, model, kind="tiny", seed=seed)
-    # NOTE: shm.slots 1: the rings hold one request of max_batch (8) frames, or 8 of one frame each, all in
-    # flight at once (a request takes the slots its frames need)
-    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "limits.queue_depth": 16, "shm.slots": 1,
+    # NOTE: shm.slots 2: the rings hold two requests of max_batch (8) frames, or 16 of one frame each (a
+    # request takes the slots its frames need), and one client's share, half, all 8 in flight at once
+    cfg = base_config(root, **{"limits.max_batch": REQUESTS, "limits.queue_depth": 16, "shm.slots": 2,
                                "inference.mixed_steps": mixed, "metrics.port": free_port()})
     rng = np.random.default_rng(7)
     work = [("ab"[k % 3 == 2], rng.random((1, 6, 320, 320), np.float32),
@@ -478,10 +478,10 @@ def test_a_client_with_many_requests_at_the_worker_shares_it_with_anothers_one(t
     all of the first client's."""
     root = tmp_path / "models"
     make_avatar(root, "a", kind="tiny")
-    # (shm.slots 8: the rings hold all eight requests of max_batch frames at once)
-    cfg = base_config(root, **{"limits.max_batch": 4, "limits.queue_depth": 16, "shm.slots": 8})
+    # (shm.slots 16: a client's share of the rings, half, holds all eight requests of max_batch frames)
+    cfg = base_config(root, **{"limits.max_batch": 2, "limits.queue_depth": 16, "shm.slots": 16})
     rng = np.random.default_rng(5)
-    audio = rng.standard_normal((4, 32, 16, 16)).astype(np.float32)
+    audio = rng.standard_normal((2, 32, 16, 16)).astype(np.float32)
     with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_MS},0"}) as srv:
         with srv.client(timeout_s=120) as c:
             c.load("a")

@@ -106,6 +106,11 @@ class Room(Protocol):
         """Hold the room `r`'s inputs take in `worker`'s inputs now; False when it is not free. `reserve`:
         leave 1 / LIVE_RESERVE of the worker's room free, unless it holds nothing."""
 
+    def share_full(self, worker: int, r: Request, mine: list[Request], reserve: bool = False) -> bool:
+        """Whether `r` would take its client past its share of `worker`'s room: `mine`, the requests of
+        its client holding room there, and `r` together may hold at most half of what clients may hold
+        there (all of it, less the reserve), unless `mine` is empty."""
+
     def free(self, worker: int, req: int) -> None:
         """The request's inputs are no longer needed (the worker answered, or the request ended)."""
 
@@ -126,6 +131,10 @@ class CountedRoom:
             return False
         held.add(r.req)
         return True
+
+    def share_full(self, worker: int, r: Request, mine: list[Request], reserve: bool = False) -> bool:
+        limit = self.slots - (self.slots // LIVE_RESERVE if reserve else 0)
+        return bool(mine) and len(mine) + 1 > limit // 2
 
     def free(self, worker: int, req: int) -> None:
         self.held.get(worker, set()).discard(req)
@@ -348,18 +357,24 @@ class Scheduler:
         if not worker.ready:
             return actions
         no_compositor = []
-        for r in self._order(worker):
+        ordered, flying = self._order(worker)
+        for r in ordered:
             if r.model not in worker.models:
                 continue
             if r.kind is Kind.COMPOSITE and not any(c.ready for c in self.compositors):
                 no_compositor.append(r)
                 continue
-            if not self.room.take(worker.index, r, reserve=not _live(r) and self.live_sessions() > 0):
+            reserve = not _live(r) and self.live_sessions() > 0
+            mine = flying.setdefault(r.client_no, []) if r.client is not None and not _live(r) else []
+            if mine and self.room.share_full(worker.index, r, mine, reserve):
+                continue   # its client holds its share of the room: the next client's may go
+            if not self.room.take(worker.index, r, reserve=reserve):
                 break   # NOTE: the most urgent waits for room first: smaller requests do not pass it
             plan = self._plan(r) if r.kind is Kind.COMPOSITE else []
             worker.queue.remove(r)
             r.in_slot = r.dispatched = True
             r.state = State.RUNNING
+            mine.append(r)
             actions.append(Dispatch(r, worker.index, plan))
         for r in list(worker.queue):
             if r.model not in worker.models and r.model not in worker.warming:
@@ -369,26 +384,28 @@ class Scheduler:
                                     "retry shortly", pump=False)
         return actions
 
-    def _order(self, worker: WorkerState) -> list[Request]:
+    def _order(self, worker: WorkerState) -> tuple[list[Request], dict[int, list[Request]]]:
         """The worker's queue in the order it gets room: live sessions' speech first, due soonest first;
         then clients' requests, the client with the fewest frames on the worker first (its requests in
         flight there and those queued before), each client's in deadline order; ties keep their order.
-        So a client keeping many requests out waits behind another's one, not the reverse."""
+        So a client keeping many requests out waits behind another's one, not the reverse. And each
+        client's requests holding room there (by Request.client_no)."""
         queued = sorted(worker.queue, key=_due)
         live = [r for r in queued if _live(r)]
-        if len(live) == len(queued):
-            return live
-        held: Counter = Counter()
+        flying: dict[int, list[Request]] = {}
         for req in worker.active:
             r = self.table.get(req)
             if r is not None and r.in_slot and not _live(r):
-                held[r.client_no] += r.batch
+                flying.setdefault(r.client_no, []).append(r)
+        if len(live) == len(queued):
+            return live, flying
+        held = Counter({client: sum(r.batch for r in rs) for client, rs in flying.items()})
         ranked = []
         for r in queued:
             if not _live(r):
                 ranked.append((held[r.client_no], len(ranked), r))
                 held[r.client_no] += r.batch
-        return live + [r for *_, r in sorted(ranked, key=lambda x: x[:2])]
+        return live + [r for *_, r in sorted(ranked, key=lambda x: x[:2])], flying
 
     def _warm(self, worker: WorkerState, model: str) -> list[Action]:
         warm = Request(Kind.WARM, model)

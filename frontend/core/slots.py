@@ -40,6 +40,12 @@ class RingRoom:
         self._in_flight[worker] += r.batch
         return True
 
+    def share_full(self, worker: int, r: Request, mine: list[Request], reserve: bool = False) -> bool:
+        frames = self.frames[worker]
+        limit = frames - (frames // LIVE_RESERVE if reserve else 0)
+        held = self.held[worker]
+        return bool(mine) and sum(held.get(q.req, 0) for q in mine) + r.batch > limit // 2
+
     def free(self, worker: int, req: int) -> None:
         self._in_flight[worker] -= self.held[worker].pop(req, 0)
         self.rings[worker].release_request(req)
