@@ -428,10 +428,12 @@ class InferenceWorker:
 
     def _span(self, runner) -> int:
         """The most rows of one task a step runs: at least one call's worth, else what runs within
-        STEP_QUANTUM_S at the architecture's recent speed (unknown until three steps were timed: all)."""
+        STEP_QUANTUM_S at the architecture's recent speed (unknown until three steps were timed: one
+        call's worth, so that a slow architecture's first tasks do not hold the device whole, nor make
+        its steps look as long as they were for a while after)."""
         row_s = _recent(self._row_s.get(runner.group, ()))
         if row_s is None:
-            return 1 << 30
+            return runner.step_rows
         return max(runner.step_rows, int(STEP_QUANTUM_S / max(row_s, 1e-9)))
 
     def _prepare(self, tasks: list[tuple[InferTask, int]], waits: bool,

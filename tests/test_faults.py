@@ -141,12 +141,30 @@ def test_a_slow_models_steps_do_not_make_a_fast_models_request_look_too_late_to_
 def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_request_runs_between(models, tmp_path):
     """A request that would hold the device long (8 frames of unet328 on the CPU: a second and more) runs
     over several steps, so that a request of another model sent meanwhile is answered within about one
-    of its frames, not after all eight; and its mouths are those of its frames run one by one."""
+    of its frames, not after all eight, from the model's first request on (before its steps were timed);
+    and its mouths are those of its frames run one by one."""
     cfg = base_config(models, **{"shm.slots": 2})   # (room for both requests at the worker at once)
     with run_server(tmp_path, cfg) as srv, srv.client(timeout_s=60) as c:
         c.load("slow")
         c.load("fast")
         audio = np.random.default_rng(3).standard_normal((8, 32, 16, 16)).astype(np.float32)
+        start = time.monotonic()
+        c.composite("fast", audio[:1])
+        fast_alone_s = time.monotonic() - start
+
+        async def first() -> tuple[float, float]:   # the slow model's first request: none of its steps timed
+            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
+                    AsyncClient(srv.endpoint, timeout_s=60) as other:
+                t0 = time.monotonic()
+                slow = asyncio.create_task(client.composite("slow", audio))
+                await asyncio.sleep(3 * fast_alone_s)   # (its first step running)
+                t1 = time.monotonic()
+                await other.composite("fast", audio[:1])
+                fast_s = time.monotonic() - t1
+                await slow
+                return fast_s, time.monotonic() - t0
+        fast_s, slow_first_s = asyncio.run(first())
+        assert fast_s < slow_first_s / 3, (fast_s, slow_first_s, fast_alone_s)
         alone = [c.composite("slow", audio[i:i + 1], start_frame=i, format="png")[1][0] for i in range(8)]
         start = time.monotonic()
         _, whole = c.composite("slow", audio, format="png")   # (its steps timed: it runs a frame a step)

@@ -405,15 +405,16 @@ def _slots_in_use(port: int) -> float:
 
 
 def test_a_restarted_frontends_requests_get_their_own_mouths_not_those_run_for_the_dead_one(tmp_path):
-    """The frontend dies while a step of its requests runs on the device, two more queued behind it at the
-    worker, and its successor's requests reach the worker while that step still runs: each is answered
-    with its own model's mouths on its own inputs, never with what the worker computed for the dead
-    frontend's requests (left unanswered); the dead one's queued requests never run, and every slot is
-    free again after."""
+    """The frontend dies while its request runs on the device (a frame a step), two more queued behind it at
+    the worker, and its successor's requests reach the worker while that request would still run: each is
+    answered with its own model's mouths on its own inputs, never with what the worker computed for the
+    dead frontend's requests (left unanswered); the dead one's request stops at the part running when its
+    successor starts, its queued requests never run, and every slot is free again after."""
     root = tmp_path / "models"
     for seed, model in enumerate(("a", "b")):   # (a batch of one: a request of n frames runs as n calls)
         make_avatar(root, model, kind="tiny", seed=seed, batch=1)
-    cfg = base_config(root, **{"limits.max_batch": 16, "shm.slots": 3, "metrics.port": free_port()})
+    # (shm.slots 6: one client's share of the room, half, holds three requests of max_batch frames)
+    cfg = base_config(root, **{"limits.max_batch": 8, "shm.slots": 6, "metrics.port": free_port()})
     port = cfg["metrics"]["port"]
     rng = np.random.default_rng(11)
     with run_server(tmp_path, cfg, env={STAND_IN_COST_ENV: f"{CALL_S * 1000:g},0"}) as srv:
@@ -426,7 +427,7 @@ def test_a_restarted_frontends_requests_get_their_own_mouths_not_those_run_for_t
         os.kill(old, signal.SIGKILL)
         _, proc = srv.restarted("frontend", old)
         restart_s = time.monotonic() - started
-        frames = min(16, max(4, math.ceil(6 * restart_s / CALL_S)))
+        frames = min(8, max(4, math.ceil(6 * restart_s / CALL_S)))
 
         def dead_frontends_requests() -> None:   # never answered: their frontend dies
             try:
@@ -468,7 +469,9 @@ def test_a_restarted_frontends_requests_get_their_own_mouths_not_those_run_for_t
         assert np.abs(mouths - expected).max() <= 1e-5
     # the new frontend's requests were sent while the dead one's step still ran (what this test is about)
     assert sent_at < running_since + frames * CALL_S, (sent_at - running_since, frames)
-    assert ran == frames + len(work), (ran, frames)   # the dead frontend's first request, and the new ones
+    # the new ones, and of the dead frontend's: its first request's parts (a frame a step, gpu_actor/worker.py)
+    # up to its successor's start, not the rest of it, nor its queued requests
+    assert len(work) + 1 <= ran < frames + len(work), (ran, frames)
 
 
 def test_a_client_with_many_requests_at_the_worker_shares_it_with_anothers_one(tmp_path):
