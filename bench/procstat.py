@@ -122,7 +122,7 @@ class CpuSampler(_Beat):
 
     def result(self, window_s: float = 1.0) -> dict:
         """Per process: `cpu` (% of one core over the run), `cpu_max` (the busiest `window_s`), `thread`
-        (its busiest thread: name and % of one core), `wait` (% of the run its threads were runnable
+        (its busiest thread: name and % of one core), `main_cpu` (its main thread's), `wait` (% of the run its threads were runnable
         with no free core, all threads together), `saturated`, and `saturated_at` (seconds into the
         run when a `window_s` window first found its busiest thread >= SATURATED); `machine`: % of
         all cores busy, and `others` of it: what ran beside the processes sampled."""
@@ -140,6 +140,7 @@ class CpuSampler(_Beat):
                 "cpu_max": round(max((w[1] for w in windows), default=0.0), 1),
                 "thread": self.names.get(top, str(top)) if top is not None else "",
                 "thread_cpu": round(100 * run[top] / wall_ns, 1) if top is not None else 0.0,
+                "main_cpu": round(100 * run.get(self.procs[name], 0) / wall_ns, 1),   # (its tid is its pid)
                 "wait": round(100 * wait / wall_ns, 1),
                 "saturated_at": next((round(w[0], 1) for w in windows if w[2] >= SATURATED), None),
                 "series": [round(w[1]) for w in windows],

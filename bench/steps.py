@@ -104,7 +104,9 @@ def _round(srv, models: list[str], speech_s: float, exe: Optional[str] = None, o
             "prepared_during_a_step": f"{ran.get('prepared_during_a_step', 0):.0f} of {ran.get('steps', 0):.0f}",
             # where the host's two cores went: the stand-in computes on the CPU what a card would
             "cpu_percent": {k: round(v["cpu"]) for k, v in used.items()},
-            "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1)}
+            "inference_ms_per_frame": 10 * used["gpu0"]["cpu"] * wall_s / max(held, 1),
+            # what a card leaves on the host: the worker's main thread picks, prepares and answers steps
+            "main_thread_ms_per_frame": 10 * used["gpu0"]["main_cpu"] * wall_s / max(held, 1)}
     if recording:   # per frame a call held, scaled by the busiest thread's CPU
         us = 1e4 * used["gpu0"]["thread_cpu"] * wall_s / max(held, 1)
         figures["profile"] = pyspy.figures(out, failed, held, us, "inference", "frame a call held")
@@ -163,7 +165,8 @@ def run(levels: tuple[int, ...], modes: tuple[str, ...], cost_ms: str, speech_s:
                               f"{100 * figures['device_busy_share']:.0f}% of the round, steps prepared while "
                               f"another ran {figures['prepared_during_a_step']}", flush=True)
                         print(f"      CPU, % of one core: {figures['cpu_percent']}; the inference process "
-                              f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran", flush=True)
+                              f"{figures['inference_ms_per_frame']:.1f} ms a frame it ran, its main thread "
+                              f"{figures['main_thread_ms_per_frame']:.2f}", flush=True)
                         print("      speech frame stages, ms p50/p99/max: " + ", ".join(
                             f"{name} {v['p50']:.0f}/{v['p99']:.0f}/{v['max']:.0f}"
                             for name, v in figures["stages_ms"].items()), flush=True)

@@ -1,5 +1,6 @@
-"""`python -m bench beside` at its smallest: a live session beside a client keeping one request of
-unet_328 in flight; its figures are the session's speech and the client's answers."""
+"""`python -m bench beside` at its smallest: a live session, then another client, beside a client keeping
+one request of unet_328 in flight; its figures are the session's speech, the other client's answers and
+their times, and the client's answers."""
 
 from __future__ import annotations
 
@@ -23,4 +24,5 @@ def test_the_beside_bench_counts_the_sessions_speech_and_the_clients_answers(tmp
     # six 1-s chunks of 25 frames: each frame went out as speech or was counted missed
     assert figures["speech"] + figures["missed"] == 150, figures
     assert figures["client"].get("ok", 0) >= 1, figures
-    assert "N=1: speech missed" in run.stdout, run.stdout
+    assert figures["other_answered"] >= 1 and 0 < figures["other_p50_ms"] <= figures["other_max_ms"], figures
+    assert "N=1: speech missed" in run.stdout and "another client's 1-frame requests" in run.stdout, run.stdout

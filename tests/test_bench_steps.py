@@ -29,6 +29,8 @@ def test_the_steps_bench_counts_the_speech_and_the_device_calls_of_its_round(tmp
     # where the host's CPU went: each server process and the bench's client, and the worker per frame
     assert {"frontend0", "gpu0", "cpu0", "bench client", "machine"} <= set(figures["cpu_percent"]), figures
     assert figures["cpu_percent"]["gpu0"] > 0 and figures["inference_ms_per_frame"] > 0, figures
+    # ... of which its main thread's: what a card's host still pays per frame
+    assert 0 < figures["main_thread_ms_per_frame"] < figures["inference_ms_per_frame"], figures
     # --profile: the inference process recorded over the round where py-spy is installed; else said why not
     if pyspy.find() is None:
         assert run.stdout.count("py-spy is not installed here") == 1, run.stdout
