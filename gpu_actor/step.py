@@ -165,7 +165,7 @@ def _audio_input(task: InferTask, audio: np.ndarray, features: Union[None, np.nd
 def _run(step: WorkerStep, jobs: list[Job], what: str, call: Callable[[], None]) -> None:
     """Jobs of a step run by `call` (one model's, or several models' grouped): `step.ran`, with the call's
     ms (the visual inputs built between its device calls not counted), or `step.failed`."""
-    t0 = time.perf_counter()
+    t0, built_s = time.perf_counter(), _visual_spent_s(jobs)
     try:
         call()
     except StaleHandle as err:   # a client's visual input freed mid-run: the step's results are not theirs
@@ -176,5 +176,11 @@ def _run(step: WorkerStep, jobs: list[Job], what: str, call: Callable[[], None])
         message = f"{what} failed to run: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
         step.failed.extend((job, "internal", message) for job in jobs)
         return
-    per_call = sum(j.visual.spent_s for j in jobs if isinstance(j.visual, VisualFrames))   # built between calls
-    step.ran.append((jobs, (time.perf_counter() - t0 - per_call) * 1000))
+    built_s = _visual_spent_s(jobs) - built_s   # the visual inputs built between its device calls
+    step.ran.append((jobs, (time.perf_counter() - t0 - built_s) * 1000))
+
+
+def _visual_spent_s(jobs: list[Job]) -> float:
+    """The time the jobs' visual inputs built on demand took so far (a part's: its task's, counted once)."""
+    frames = {id(v): v for v in ((job.whole or job).visual for job in jobs) if isinstance(v, VisualFrames)}
+    return sum(v.spent_s for v in frames.values())

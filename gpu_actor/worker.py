@@ -534,7 +534,7 @@ class InferenceWorker:
         if rows is None or rows >= task.batch:
             return job
         first = job.part(0, rows)
-        first.built_s = built
+        first.built_s, job.built_s = built, 0.0   # (counted once: the task's is what its parts add up to)
         return first
 
     def _late(self, task: InferTask, now: float, ends: float) -> str:

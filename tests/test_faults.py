@@ -167,9 +167,11 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
         assert fast_s < slow_first_s / 3, (fast_s, slow_first_s, fast_alone_s)
         alone = [c.composite("slow", audio[i:i + 1], start_frame=i, format="png")[1][0] for i in range(8)]
         start = time.monotonic()
-        _, whole = c.composite("slow", audio, format="png")   # (its steps timed: it runs a frame a step)
+        header, whole = c.composite("slow", audio, format="png")   # (its steps timed: it runs a frame a step)
         slow_s = time.monotonic() - start
         assert whole == alone, "the frames of a request run over several steps are not its own"
+        t = header["timing"]   # its stages, summed over its steps, are each counted once
+        assert t["queue_ms"] + t["input_ms"] + t["inference_ms"] + t["composite_ms"] <= t["total_ms"], t
 
         async def both() -> tuple[float, float]:   # (two clients: one holds at most half the room)
             async with AsyncClient(srv.endpoint, timeout_s=60) as client, \

@@ -21,6 +21,7 @@ from bench.steps import say
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient, ClientClosed, ClientTimeout, ServerError
+from shm.messages import InferTask
 from tests.helpers import base_config, free_port, infer_at_once, make_avatar, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
@@ -547,3 +548,25 @@ def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first()
     burst = [task(4, 8, deadline=40.0 + k) for k in range(5)]
     order = turns.order(queue + burst, lambda t: t.batch)
     assert {t.client for t in order[:4]} != {4}, [t.client for t in order]
+
+
+def test_a_calls_inference_time_leaves_out_the_visual_input_built_during_it(monkeypatch):
+    """A task's visual input is built from the avatar's crops per call (VisualFrames), its time counted
+    as the request's input time: the call's inference time leaves it out, for a whole task and for a part
+    of one (a task over several steps), else the two stages count it twice and add up past the total."""
+    from gpu_actor import step as steps
+    from gpu_actor import visual
+    from shm.ring import TensorRef
+
+    build_s = 0.05   # what building takes here (the test's own cost): the calls do nothing else
+    monkeypatch.setattr(visual, "build_visual", lambda crops, out: time.sleep(build_s))
+    task = InferTask(req=1, model="m", batch=4, audio=TensorRef("r", 0, 0, 0, "float32", (4,)), visual=None,
+                     frames=[0] * 4, plan=[])
+    frames = visual.VisualFrames([None] * 4, np.zeros((4, 1), np.float32))
+    whole = steps.Job(task, 0, np.zeros((4, 1), np.float32), frames, np.zeros(4), None, 0.0)
+    for job, rows in ((whole, 4), (whole.part(1, 3), 2), (whole.part(3, 4), 1)):
+        step = steps.WorkerStep([job])
+        steps._run(step, [job], "m", lambda: job.visual(0, rows))
+        ((_, inference_ms),) = step.ran
+        assert inference_ms < build_s * 1000 / 2, (job.rows, inference_ms)
+    assert frames.spent_s >= 3 * build_s
