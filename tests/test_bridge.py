@@ -413,8 +413,8 @@ def test_a_session_on_an_edge_pins_its_model_on_the_gpu_host(tmp_path, models, k
 
 
 def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys):
-    """An edge's client keeps the GPU host's queue full (its limits.queue_depth 2, a request of 8 frames in
-    flight) and gets `overloaded` from there for the rest; a live session on the edge speaking meanwhile
+    """An edge's clients keep the GPU host's queue full (its limits.queue_depth 2, a request of 8 frames in
+    flight) and get `overloaded` from there for the rest; a live session on the edge speaking meanwhile
     has every speech frame taken there, none refused: its requests cross with their due time, and the
     GPU host, like a single host, counts only clients' requests against its queue."""
     import threading
@@ -432,10 +432,11 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
         _remote_ready(c)
         c.load("b")
 
-        def flood() -> None:
+        def flood() -> None:   # (two clients: each holds at most a share of the edge's room)
             async def main() -> None:
-                async with AsyncClient(edge.endpoint, timeout_s=60) as client:
-                    async def one() -> None:
+                async with AsyncClient(edge.endpoint, timeout_s=60) as first, \
+                        AsyncClient(edge.endpoint, timeout_s=60) as second:
+                    async def one(client: AsyncClient) -> None:
                         while not stop.is_set():
                             try:
                                 await client.composite("b", np.zeros((8, 32, 16, 16), np.float32))
@@ -444,7 +445,7 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
                                 full = err.code == "overloaded" and "has 2 requests queued" in err.message
                                 codes.append("overloaded" if full else err.code)
                                 await asyncio.sleep(0.005)
-                    await asyncio.gather(*(one() for _ in range(12)))
+                    await asyncio.gather(*(one(c) for c in (first, second) for _ in range(6)))
             asyncio.run(main())
 
         thread = threading.Thread(target=flood)
