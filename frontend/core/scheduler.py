@@ -392,13 +392,13 @@ class Scheduler:
         client's requests holding room there (by Request.client_no)."""
         queued = sorted(worker.queue, key=_due)
         live = [r for r in queued if _live(r)]
+        if len(live) == len(queued):   # (only speech waits: no client's share to count)
+            return live, {}
         flying: dict[int, list[Request]] = {}
         for req in worker.active:
             r = self.table.get(req)
             if r is not None and r.in_slot and not _live(r):
                 flying.setdefault(r.client_no, []).append(r)
-        if len(live) == len(queued):
-            return live, flying
         held = Counter({client: sum(r.batch for r in rs) for client, rs in flying.items()})
         ranked = []
         for r in queued:
