@@ -97,6 +97,11 @@ Action = Union[Dispatch, Render, SendWorker, ReleaseOutput, FreeImages, Done, Fa
 LIVE_RESERVE = 2
 
 
+def clients_room(room: int, reserve: bool) -> int:
+    """What clients' requests may hold of a worker's `room`: all of it, less the live sessions' reserve."""
+    return room - (room // LIVE_RESERVE if reserve else 0)
+
+
 class Room(Protocol):
     """Where a worker's dispatched requests hold their inputs: taken when the engine dispatches, freed
     the moment it no longer needs them, so the same pump can give the room to the next request. The
@@ -127,14 +132,13 @@ class CountedRoom:
 
     def take(self, worker: int, r: Request, reserve: bool = False) -> bool:
         held = self.held.setdefault(worker, set())
-        if len(held) >= self.slots - (self.slots // LIVE_RESERVE if reserve and held else 0):
+        if len(held) >= clients_room(self.slots, reserve and bool(held)):
             return False
         held.add(r.req)
         return True
 
     def share_full(self, worker: int, r: Request, mine: list[Request], reserve: bool = False) -> bool:
-        limit = self.slots - (self.slots // LIVE_RESERVE if reserve else 0)
-        return bool(mine) and len(mine) + 1 > limit // 2
+        return bool(mine) and len(mine) + 1 > clients_room(self.slots, reserve) // 2
 
     def free(self, worker: int, req: int) -> None:
         self.held.get(worker, set()).discard(req)
@@ -358,13 +362,14 @@ class Scheduler:
             return actions
         no_compositor = []
         ordered, flying = self._order(worker)
+        reserving = self.live_sessions() > 0
         for r in ordered:
             if r.model not in worker.models:
                 continue
             if r.kind is Kind.COMPOSITE and not any(c.ready for c in self.compositors):
                 no_compositor.append(r)
                 continue
-            reserve = not _live(r) and self.live_sessions() > 0
+            reserve = reserving and not _live(r)
             mine = flying.setdefault(r.client_no, []) if r.client is not None and not _live(r) else []
             if mine and self.room.share_full(worker.index, r, mine, reserve):
                 continue   # its client holds its share of the room: the next client's may go

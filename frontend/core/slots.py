@@ -10,7 +10,7 @@ import numpy as np
 
 from config.geometry import audio_offset
 from frontend.core.request import Request
-from frontend.core.scheduler import LIVE_RESERVE
+from frontend.core.scheduler import clients_room
 from shm.ring import RingError, RingSpec, SlotRing, TensorRef
 
 
@@ -31,7 +31,7 @@ class RingRoom:
 
     def take(self, worker: int, r: Request, reserve: bool = False) -> bool:
         ring, held, frames = self.rings[worker], self.held[worker], self.frames[worker]
-        if held and self._in_flight[worker] + r.batch > frames - (frames // LIVE_RESERVE if reserve else 0):
+        if held and self._in_flight[worker] + r.batch > clients_room(frames, reserve):
             return False
         count = ring.slots_for(r.inputs.nbytes(r.batch))
         if count <= ring.spec.n_slots and ring.try_acquire(r.req, count) is None:
@@ -41,10 +41,8 @@ class RingRoom:
         return True
 
     def share_full(self, worker: int, r: Request, mine: list[Request], reserve: bool = False) -> bool:
-        frames = self.frames[worker]
-        limit = frames - (frames // LIVE_RESERVE if reserve else 0)
-        held = self.held[worker]
-        return bool(mine) and sum(held.get(q.req, 0) for q in mine) + r.batch > limit // 2
+        held, share = self.held[worker], clients_room(self.frames[worker], reserve) // 2
+        return bool(mine) and sum(held.get(q.req, 0) for q in mine) + r.batch > share
 
     def free(self, worker: int, req: int) -> None:
         self._in_flight[worker] -= self.held[worker].pop(req, 0)
