@@ -11,9 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import cv2
 import numpy as np
@@ -142,6 +142,51 @@ def frames_until(session, index: int, limit_s: float = 60.0) -> list:
         if frame is not None and frame[0].get("event") == "frame":
             out.append((time.monotonic(), *frame[:2]))
     return out
+
+
+def speech_beside_a_flood(endpoint: str, model: str, clients: int, in_flight: int, full: Callable[[ServerError], bool],
+                          limit_s: float) -> tuple[dict, int, int]:
+    """A live session on `model` speaks 50 frames of windows at once while `clients` clients each keep
+    `in_flight` `composite` requests of 8 frames on it, sent again as they are answered (after a refusal,
+    5 ms later). The session opens once a refusal `full` says a queue was full (within `limit_s`).
+    Returns its stats, and the count of such refusals when it spoke and once it had every frame."""
+    import threading
+    from lipsync_client import Session
+    stop, codes = threading.Event(), []
+
+    def flood() -> None:
+        async def one(client: AsyncClient) -> None:
+            while not stop.is_set():
+                try:
+                    await client.composite(model, np.zeros((8, 32, 16, 16), np.float32))
+                    codes.append("ok")
+                except ServerError as err:
+                    codes.append("full" if full(err) else err.code)
+                    await asyncio.sleep(0.005)
+
+        async def main() -> None:
+            async with AsyncExitStack() as stack:
+                senders = [await stack.enter_async_context(AsyncClient(endpoint, timeout_s=60)) for _ in range(clients)]
+                await asyncio.gather(*(one(c) for c in senders for _ in range(in_flight)))
+        asyncio.run(main())
+
+    thread = threading.Thread(target=flood)
+    thread.start()
+    try:
+        deadline = time.monotonic() + limit_s
+        while "full" not in codes:
+            assert time.monotonic() < deadline, f"the flood never filled the queue: {codes[-10:]}"
+            time.sleep(0.01)
+        with Session(endpoint, model) as s:
+            frames_until(s, 0)
+            before = codes.count("full")
+            reply = s.send_audio(np.zeros((50, 32, 16, 16), np.float32), last=True)
+            frames_until(s, reply["first_frame"] + 50)
+            stats = s.stats()
+        return stats, before, codes.count("full")
+    finally:
+        stop.set()
+        thread.join()
 
 
 def free_port() -> int:

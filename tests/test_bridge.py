@@ -16,7 +16,8 @@ import pytest
 from lipsync_client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
 from gpu_actor.model_builder import write_audio_encoder
 from tests.conftest import TEST_PREFIX
-from tests.helpers import base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server
+from tests.helpers import (base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server,
+                           speech_beside_a_flood)
 
 pytestmark = pytest.mark.slow
 AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.float32)
@@ -417,14 +418,10 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
     flight) and get `overloaded` from there for the rest; a live session on the edge speaking meanwhile
     has every speech frame taken there, none refused: its requests cross with their due time, and the
     GPU host, like a single host, counts only clients' requests against its queue."""
-    import threading
-    from lipsync_client import Session
-    from tests.helpers import frames_until
     port = free_port()
     host_cfg = gpu_config(models, keys, port)
     host_cfg["limits"].update(queue_depth=2)
     host_cfg["shm"]["slots"] = 1
-    stop, codes = threading.Event(), []
     with gpu_host(tmp_path, host_cfg), \
             run_server(tmp_path, edge_config(models, keys, port, **{"sessions.max_cpu_load": 0, "shm.slots": 8,
                                                                     "limits.queue_depth": 16}),
@@ -432,39 +429,10 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
         _remote_ready(c)
         c.load("b")
 
-        def flood() -> None:   # (two clients: each holds at most a share of the edge's room)
-            async def main() -> None:
-                async with AsyncClient(edge.endpoint, timeout_s=60) as first, \
-                        AsyncClient(edge.endpoint, timeout_s=60) as second:
-                    async def one(client: AsyncClient) -> None:
-                        while not stop.is_set():
-                            try:
-                                await client.composite("b", np.zeros((8, 32, 16, 16), np.float32))
-                                codes.append("ok")
-                            except ServerError as err:   # (the GPU host's refusal: its queue of 2)
-                                full = err.code == "overloaded" and "has 2 requests queued" in err.message
-                                codes.append("overloaded" if full else err.code)
-                                await asyncio.sleep(0.005)
-                    await asyncio.gather(*(one(c) for c in (first, second) for _ in range(6)))
-            asyncio.run(main())
-
-        thread = threading.Thread(target=flood)
-        thread.start()
-        try:
-            deadline = time.monotonic() + 30
-            while "overloaded" not in codes:
-                assert time.monotonic() < deadline, f"the flood never filled the GPU host's queue: {codes[-10:]}"
-                time.sleep(0.01)
-            with Session(edge.endpoint, "b") as s:
-                frames_until(s, 0)
-                refused = codes.count("overloaded")
-                reply = s.send_audio(np.zeros((50, 32, 16, 16), np.float32), last=True)
-                frames_until(s, reply["first_frame"] + 50)
-                stats = s.stats()
-            assert codes.count("overloaded") > refused, "the GPU host's queue was not full while the session spoke"
-        finally:
-            stop.set()
-            thread.join()
+        # (two clients: each holds at most a share of the edge's room; the GPU host's refusals: its queue of 2)
+        stats, before, after = speech_beside_a_flood(
+            edge.endpoint, "b", 2, 6, lambda err: err.code == "overloaded" and "has 2 requests queued" in err.message, 30)
+        assert after > before, "the GPU host's queue was not full while the session spoke"
     assert "failed (overloaded)" not in stats["missed_in"], stats
     assert stats["frames_speech"] + stats["missed"] == 50, stats
 

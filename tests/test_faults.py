@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from lipsync_client import AsyncClient, ClientTimeout, ServerError, Session
-from tests.helpers import base_config, frames_until, free_port, make_avatar, run_server
+from tests.helpers import base_config, frames_until, free_port, make_avatar, run_server, speech_beside_a_flood
 
 pytestmark = pytest.mark.slow
 AUDIO = np.zeros((4, 32, 16, 16), np.float32)
@@ -72,6 +72,22 @@ def _cost_s(server, batch: int = 4, model: str = "slow") -> float:
     return min(times)
 
 
+def _fast_beside(endpoint: str, slow, wait_s: float, audio: np.ndarray, **kw) -> tuple[float, float]:
+    """`slow(client)` sent on one client, then, `wait_s` later, a `fast` request of `audio` on another:
+    the seconds the fast one took, and the seconds until both were done."""
+    async def main() -> tuple[float, float]:
+        async with AsyncClient(endpoint, timeout_s=60) as client, AsyncClient(endpoint, timeout_s=60) as other:
+            t0 = time.monotonic()
+            running = asyncio.ensure_future(slow(client))
+            await asyncio.sleep(wait_s)
+            t1 = time.monotonic()
+            await other.composite("fast", audio, **kw)
+            fast_s = time.monotonic() - t1
+            await running
+            return fast_s, time.monotonic() - t0
+    return asyncio.run(main())
+
+
 def _codes(results) -> list[str]:
     return sorted("ok" if isinstance(r, dict) else getattr(r, "code", "client_timeout") for r, _ in results)
 
@@ -92,39 +108,9 @@ def test_a_clients_flood_of_requests_costs_a_live_session_none_of_its_speech(ser
     """One client keeps the worker's queue full (limits.queue_depth 2 here) and gets `overloaded` for
     the rest; a live session speaking meanwhile has every speech frame taken, none refused with it (a
     refusal is a frame missed for sure: admission, not the queue of clients' requests, bounds speech)."""
-    stop, codes = threading.Event(), []
-
-    def flood() -> None:
-        async def main() -> None:
-            async with AsyncClient(server.endpoint, timeout_s=60) as client:
-                async def one() -> None:
-                    while not stop.is_set():
-                        try:
-                            await client.composite("fast", np.zeros((8, 32, 16, 16), np.float32))
-                            codes.append("ok")
-                        except ServerError as err:
-                            codes.append(err.code)
-                            await asyncio.sleep(0.005)
-                await asyncio.gather(*(one() for _ in range(12)))
-        asyncio.run(main())
-
-    thread = threading.Thread(target=flood)
-    thread.start()
-    try:
-        deadline = time.monotonic() + UNNOTICED_S
-        while "overloaded" not in codes:
-            assert time.monotonic() < deadline, f"the flood never filled the queue: {codes[-10:]}"
-            time.sleep(0.01)
-        with Session(server.endpoint, "fast") as s:
-            frames_until(s, 0)
-            refused = codes.count("overloaded")
-            reply = s.send_audio(np.zeros((50, 32, 16, 16), np.float32), last=True)
-            frames_until(s, reply["first_frame"] + 50)
-            stats = s.stats()
-        assert codes.count("overloaded") > refused, "the queue was not full while the session spoke"
-    finally:
-        stop.set()
-        thread.join()
+    stats, before, after = speech_beside_a_flood(server.endpoint, "fast", 1, 12,
+                                                 lambda err: err.code == "overloaded", UNNOTICED_S)
+    assert after > before, "the queue was not full while the session spoke"
     assert "failed (overloaded)" not in stats["missed_in"], stats
     assert stats["frames_speech"] + stats["missed"] == 50, stats
 
@@ -152,18 +138,9 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
         c.composite("fast", audio[:1])
         fast_alone_s = time.monotonic() - start
 
-        async def first() -> tuple[float, float]:   # the slow model's first request: none of its steps timed
-            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
-                    AsyncClient(srv.endpoint, timeout_s=60) as other:
-                t0 = time.monotonic()
-                slow = asyncio.create_task(client.composite("slow", audio))
-                await asyncio.sleep(3 * fast_alone_s)   # (its first step running)
-                t1 = time.monotonic()
-                await other.composite("fast", audio[:1])
-                fast_s = time.monotonic() - t1
-                await slow
-                return fast_s, time.monotonic() - t0
-        fast_s, slow_first_s = asyncio.run(first())
+        # the slow model's first request (none of its steps timed), the fast one sent while its first step runs
+        fast_s, slow_first_s = _fast_beside(srv.endpoint, lambda cl: cl.composite("slow", audio), 3 * fast_alone_s,
+                                            audio[:1])
         assert fast_s < slow_first_s / 3, (fast_s, slow_first_s, fast_alone_s)
         alone = [c.composite("slow", audio[i:i + 1], start_frame=i, format="png")[1][0] for i in range(8)]
         start = time.monotonic()
@@ -173,36 +150,18 @@ def test_a_request_on_a_slow_model_runs_over_several_steps_and_a_fast_ones_reque
         t = header["timing"]   # its stages, summed over its steps, are each counted once
         assert t["queue_ms"] + t["input_ms"] + t["inference_ms"] + t["composite_ms"] <= t["total_ms"], t
 
-        async def both() -> tuple[float, float]:   # (two clients: one holds at most half the room)
-            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
-                    AsyncClient(srv.endpoint, timeout_s=60) as other:
-                t0 = time.monotonic()
-                slow = asyncio.create_task(client.composite("slow", audio))
-                await asyncio.sleep(slow_s / 8)   # its first frame running
-                t1 = time.monotonic()
-                await other.composite("fast", audio[:1])
-                fast_s = time.monotonic() - t1
-                await slow
-                return fast_s, time.monotonic() - t0
-        fast_s, slow_again_s = asyncio.run(both())
+        # (two clients: one holds at most half the room; the fast one sent while the slow one's first frame runs)
+        fast_s, slow_again_s = _fast_beside(srv.endpoint, lambda cl: cl.composite("slow", audio), slow_s / 8, audio[:1])
         assert fast_s < slow_again_s / 3, (fast_s, slow_again_s, slow_s)
 
         # Two slow requests of 4 frames take turns, one's frame prepared while the other's runs: a fast
         # one due sooner, sent meanwhile, puts the prepared slow step back and runs next (stats count it).
         before = c.stats()["workers"][0]["steps"]["put_back"]
 
-        async def three() -> tuple[float, float]:
-            async with AsyncClient(srv.endpoint, timeout_s=60) as client, \
-                    AsyncClient(srv.endpoint, timeout_s=60) as other:
-                t0 = time.monotonic()
-                slow = asyncio.gather(*(client.composite("slow", audio[:4], start_frame=k) for k in range(2)))
-                await asyncio.sleep(slow_s / 4)   # both at the worker, taking turns
-                t1 = time.monotonic()
-                await other.composite("fast", audio[:1], timeout_ms=int(slow_s * 1000))   # (due sooner)
-                fast_s = time.monotonic() - t1
-                await slow
-                return fast_s, time.monotonic() - t0
-        fast_s, slow_again_s = asyncio.run(three())
+        # (both at the worker, taking turns, when the fast one, due sooner, is sent)
+        fast_s, slow_again_s = _fast_beside(
+            srv.endpoint, lambda cl: asyncio.gather(*(cl.composite("slow", audio[:4], start_frame=k) for k in range(2))),
+            slow_s / 4, audio[:1], timeout_ms=int(slow_s * 1000))
         assert c.stats()["workers"][0]["steps"]["put_back"] > before
     assert fast_s < slow_again_s / 4, (fast_s, slow_again_s)
 
