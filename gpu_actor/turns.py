@@ -9,20 +9,21 @@ Tasks run in start order (ties: deadline first): a newcomer's first task starts 
 ahead of the queued tasks of a client that sent many, and two clients that keep tasks queued get the
 device's frames in equal shares, whatever the size of their tasks.
 
-A client is its frontend's number for it (InferTask.client: a tenant, else a connection) within the
-process that sent the task (the owner bits of its request id): numbers of two frontends never meet.
+A client is a tenant, wherever its tasks come from, else a connection: its frontend's number for it
+within the process that sent the task (the owner bits of its request id), so that numbers of two
+frontends never meet (shm/requests.py client_key).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 from shm.messages import InferTask
-from shm.requests import owner_of
+from shm.requests import client_key
 
 
-def _client(task: InferTask) -> tuple[int, int]:
-    return owner_of(task.req), task.client
+def _client(task: InferTask) -> Hashable:
+    return client_key(task.req, task.client)
 
 
 def _deadline(task: InferTask) -> float:
@@ -32,13 +33,13 @@ def _deadline(task: InferTask) -> float:
 class Turns:
     def __init__(self) -> None:
         self.virtual = 0.0
-        self._ends: dict[tuple[int, int], float] = {}   # client -> where its service so far ends
+        self._ends: dict[Hashable, float] = {}   # client -> where its service so far ends
 
     def order(self, tasks: Iterable[InferTask], rows: Callable[[InferTask], int]) -> list[InferTask]:
         """`tasks` in the order they run, `rows(task)` being the frames each has still to run."""
         tasks = list(tasks)
         live = sorted((t for t in tasks if t.due), key=lambda t: t.due)
-        starts: dict[tuple[int, int], float] = {}
+        starts: dict[Hashable, float] = {}
         ranked = []
         for task in sorted((t for t in tasks if not t.due), key=_deadline):
             client = _client(task)

@@ -12,8 +12,15 @@ years of uptime) and count up one a request.
 
 from __future__ import annotations
 
+import hashlib
+from typing import Hashable
+
 OWNER_SHIFT = 48
 MAX_OWNERS = 256
+# A client's number (InferTask.client) with this bit set is a tenant's, the same wherever the tenant
+# connects (every client-facing process, every edge host): its other bits hash its name. Other clients
+# (connections) are numbered by their process from 1, and are that process's only.
+TENANT_BIT = 1 << 62
 
 
 def owner_of(req: int) -> int:
@@ -25,6 +32,18 @@ def first_id(owner: int, now_us: int) -> int:
     if not 0 <= owner < MAX_OWNERS:
         raise ValueError(f"owner {owner} is not in 0..{MAX_OWNERS - 1}")
     return (owner << OWNER_SHIFT) | (now_us & ((1 << OWNER_SHIFT) - 1))
+
+
+def tenant_client(name: str) -> int:
+    """The client number of the tenant `name` (56 bits of its name's hash: two tenants' numbers meet
+    once in 2^28 pairs of names)."""
+    return TENANT_BIT | int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "big")
+
+
+def client_key(req: int, client: int) -> Hashable:
+    """Whose share of a worker a task of request `req` and client number `client` takes: a tenant's
+    wherever it came from, else the process that numbered the client (the request's owner)'s client."""
+    return client if client & TENANT_BIT else (owner_of(req), client)
 
 
 def same_owner_below(req: int, floor: int) -> bool:

@@ -510,6 +510,20 @@ def test_a_full_queue_refuses_the_client_holding_most_of_it_not_the_newcomer():
     assert held(e) == NOTHING
 
 
+def test_a_tenant_is_numbered_the_same_by_every_client_facing_process_a_connection_by_its_own():
+    """The number a worker shares its steps by (InferTask.client): a tenant's is its own in each engine
+    (so a tenant connected through several processes is one client at the worker), a connection's is
+    its engine's count."""
+    from shm.requests import tenant_client
+    engines = [engine(), engine()]
+    for e in engines:
+        submit(e, conn="c0")
+        (tenant, _), (conn, _) = submit(e, conn=tenant_client("acme")), submit(e, conn="c1")
+        assert tenant.client_no == tenant_client("acme") and conn.client_no == 2, (tenant.client_no, conn.client_no)
+        e.shutdown("stop")
+        assert held(e) == NOTHING
+
+
 def test_a_client_holds_half_the_room_and_one_with_many_requests_out_waits_behind_anothers_one():
     """A client's requests hold at most half of a worker's room (unless it holds none), so another
     client's request finds room at once; and room goes first to the client with the fewest frames on

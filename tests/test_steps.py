@@ -550,6 +550,36 @@ def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first()
     assert {t.client for t in order[:4]} != {4}, [t.client for t in order]
 
 
+def test_a_tenant_through_several_frontends_is_one_client_of_the_worker():
+    """A tenant's requests spread over two client-facing processes (each numbers its own connections):
+    the worker gives it one client's share beside another client, not one share per process; a
+    connection's number stays its own process's."""
+    from gpu_actor.turns import Turns
+    from shm.messages import InferTask
+    from shm.requests import client_key, first_id, tenant_client
+    from shm.ring import TensorRef
+
+    ids = {owner: iter(range(first_id(owner, 0), first_id(owner, 0) + 1000)) for owner in (1, 2)}
+
+    def task(client: int, owner: int) -> InferTask:
+        return InferTask(req=next(ids[owner]), model="m", batch=4, audio=TensorRef("r", 0, 0, 0, "float32", (4,)),
+                         visual=None, frames=[0] * 4, plan=[], deadline=100.0, client=client)
+
+    acme = tenant_client("acme")
+    assert acme == tenant_client("acme") != tenant_client("acme2")
+    assert client_key(first_id(1, 0), acme) == client_key(first_id(2, 0), acme)
+    assert client_key(first_id(1, 0), 1) != client_key(first_id(2, 0), 1)
+    turns = Turns()
+    queue = [task(acme, 1 + k % 2) for k in range(40)] + [task(1, 1) for _ in range(40)]
+    served = {"acme": 0, "other": 0}
+    for _ in range(30):
+        first = turns.order(queue, lambda t: t.batch)[0]
+        queue.remove(first)
+        turns.taken(first, first.batch)
+        served["acme" if first.client == acme else "other"] += first.batch
+    assert abs(served["acme"] - served["other"]) <= 4, served
+
+
 def test_a_calls_inference_time_leaves_out_the_visual_input_built_during_it(monkeypatch):
     """A task's visual input is built from the avatar's crops per call (VisualFrames), its time counted
     as the request's input time: the call's inference time leaves it out, for a whole task and for a part

@@ -114,8 +114,9 @@ class Request:
     batch: int = 0
     deadline: float = float("inf")
     conn: Optional[Hashable] = None       # the connection it came over: its close ends the request
-    # whose share of a worker it takes: a client's tenant, else its connection (None: no client's, e.g.
-    # a live session's speech); the engine numbers it for the worker (`client`), which shares its steps
+    # whose share of a worker it takes: a client's tenant (shm/requests.py tenant_client: its number
+    # wherever it connects), else its connection (None: no client's, e.g. a live session's speech); the
+    # engine numbers a connection for the worker (`client_no`), which shares its steps by it
     client: Optional[Hashable] = None
     client_no: int = 0
     work: Optional[Work] = None           # whoever made it (a RenderWork for RENDER); never read here

@@ -22,6 +22,7 @@ from frontend.server.catalog import ModelSpec
 from frontend.server.validate import check_message, check_pcm, check_request, check_tensors, parse_header
 from lipsync_client import protocol as P
 from shm.codes import ErrorCode
+from shm.requests import tenant_client
 
 log = logging.getLogger(__name__)
 VIEWER_START_TIMEOUT_S = 30.0   # a webrtc session_open waits this long at most for the viewer to start
@@ -140,7 +141,7 @@ class Intake:
         tenant = call.reply_to.tenant
         self.server.submit(Request(kind, call.spec.id if call.spec else header.model, batch,
                                    deadline=now + self._timeout_s(header), conn=call.reply_to.conn, work=call,
-                                   inputs=inputs, client=("tenant", tenant.name) if tenant else
+                                   inputs=inputs, client=tenant_client(tenant.name) if tenant else
                                    call.reply_to.conn or call.reply_to.peer),
                            now)
 
