@@ -90,10 +90,9 @@ class InferenceWorker:
         self.encoders = AudioEncoders(device, config.limits.max_batch, inf.intra_op_threads, inf.spin_threads)
         max_batch = config.limits.max_batch
         self._visual = np.empty((max_batch, *VISUAL_SHAPE), np.float32)  # audio-only inputs are built here
-        # each architecture's last steps' seconds, start to end (a slow model's steps say nothing of how
-        # long another's take: weighed by them, a small model's every task looked doomed)
-        self._step_s: dict[object, deque[float]] = {}
-        self._row_s: dict[object, deque[float]] = {}   # and their seconds a row
+        # each architecture's last steps: their seconds, start to end, and rows (a slow model's steps say
+        # nothing of how long another's take: weighed by them, a small model's every task looked doomed)
+        self._timed: dict[object, deque[tuple[float, int]]] = {}
         self._partial: dict[int, Job] = {}   # tasks part run (request id -> its Job), queued for their next part
         # NOTE: one thread makes every device call of a step (the encoder's too: onnxruntime keeps a CUDA
         # graph per thread, and a capture meets no other call of this worker's); it touches no socket
@@ -431,7 +430,7 @@ class InferenceWorker:
         STEP_QUANTUM_S at the architecture's recent speed (unknown until three steps were timed: one
         call's worth, so that a slow architecture's first tasks do not hold the device whole, nor make
         its steps look as long as they were for a while after)."""
-        row_s = _recent(self._row_s.get(runner.group, ()))
+        row_s = _recent([seconds / max(rows, 1) for seconds, rows in self._timed.get(runner.group, ())])
         if row_s is None:
             return runner.step_rows
         return max(runner.step_rows, int(STEP_QUANTUM_S / max(row_s, 1e-9)))
@@ -445,8 +444,7 @@ class InferenceWorker:
         if not tasks:
             return None
         now = time.monotonic()
-        step_s = self._expected_step_s(self.registry.loaded[tasks[0][0].model].runner.group) \
-            if tasks[0][0].model in self.registry.loaded else 0.0
+        step_s = self._expected_step_s(self.registry.loaded[tasks[0][0].model].runner.group)   # (runnable: loaded)
         starts = now if topping_up or self._flight is None else \
             max(now, self._flight_started + self._expected_step_s(self._flight[0].jobs[0].runner.group))
         jobs: list[Job] = []
@@ -471,8 +469,7 @@ class InferenceWorker:
         self._answer_ran(step)
         if step.kind:
             group = step.jobs[0].runner.group
-            self._step_s.setdefault(group, deque(maxlen=STEPS_TIMED)).append(step.seconds)
-            self._row_s.setdefault(group, deque(maxlen=STEPS_TIMED)).append(step.seconds / max(step.rows, 1))
+            self._timed.setdefault(group, deque(maxlen=STEPS_TIMED)).append((step.seconds, step.rows))
             self._steps["steps"] += 1
             self._steps["device_busy_s"] += step.seconds
         if step.calls:   # (the GPU path's: a CPU call holds one frame)
@@ -482,7 +479,7 @@ class InferenceWorker:
     def _expected_step_s(self, group: object) -> float:
         """How long a step of `group` (an architecture) takes now: the median of its last STEPS_TIMED (0
         until three have run)."""
-        return _recent(self._step_s.get(group, ())) or 0.0
+        return _recent([seconds for seconds, _ in self._timed.get(group, ())]) or 0.0
 
     def _begin(self, task: InferTask, wait: bool, ends: float, rows: Optional[int] = None) -> Optional[Job]:
         """A task's output slot (waited for when `wait`, else only if one is free: _NoSlotFree) and inputs;
