@@ -71,7 +71,7 @@ class BridgeConfig(_Section):
     client_secret_key: Optional[str] = None        # roles all/edge: this edge's secret key file
     insecure_plaintext: bool = False               # allow a bridge without keys (trusted networks only)
     heartbeat_s: PosFloat = 0.25
-    dead_after_s: PosFloat = 1.0
+    dead_after_s: PosFloat = 3.0
     resolve_s: PosFloat = 5.0                      # roles all/edge: how often DNS names in hosts are resolved
     processes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1   # role gpu: bridge processes sharing bind
 

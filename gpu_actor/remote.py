@@ -3,8 +3,11 @@
 To the edge's frontend and compositors it is an inference worker like any other (same input ring,
 output ring, messages); it copies each batch from its input slot into the socket once (RemoteInfer,
 tensors as raw frames, the deadline as the budget left), and the mouths from the socket into an output
-slot once. Heartbeats tell it when a host goes away (its requests then get `unavailable` from the
-frontend) and when it is back (used again, no restart of the edge). A host that shuts down says so
+slot once. A host goes away when its connection closes (its process died, the network dropped it:
+what was in flight on it is lost, as replies to a dropped ZeroMQ peer are) or when it answers no
+heartbeat for bridge.dead_after_s (it hangs, or the network is cut without a close): its requests then
+get `unavailable` from the frontend. It is used again once it answers a heartbeat (no restart of the
+edge). A host that shuts down says so
 in its heartbeat answers (`draining`: new work is refused here at once), answers what it has, and
 sends Goodbye: it is then `stopped`, and whatever it did not answer gets `unavailable` saying that it
 shut down, never taken for a lost host.
@@ -28,6 +31,7 @@ from typing import Callable, Optional
 import msgspec
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from config import Config
 from config.geometry import MOUTH_SHAPE, mouths_from_uint8, valid_model_id
@@ -71,7 +75,10 @@ class RemoteWorker:
         self.outputs = SlotRing.attach(run.output_rings[index])
         self.outputs.become_writer()
         self._ctx = ctx
-        self.host = self._connect(self.endpoint) if self.endpoint else None
+        self.host: Optional[zmq.Socket] = None
+        self._closes: Optional[zmq.Socket] = None   # the host socket's monitor: its connection's closes
+        if self.endpoint:
+            self._connect(self.endpoint)
         self.pending: dict[int, InferTask] = {}
         # "ready", "starting" (host answers, none of its workers is ready yet) or "unreachable";
         # None until the first heartbeat is answered or missed (the supervisor has said "ready").
@@ -100,15 +107,25 @@ class RemoteWorker:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+        self._disconnect()
         self.inputs.close()
         self.outputs.close()
 
-    def _connect(self, endpoint: str) -> zmq.Socket:
+    def _connect(self, endpoint: str) -> None:
         sock = network_socket(self._ctx, zmq.DEALER, self.config.limits.max_message_bytes)
         if self.config.bridge.client_secret_key:
             make_client(sock, self.config.bridge.client_secret_key, self._server_key, "bridge")
+        self._closes = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
-        return sock
+        self.host = sock
+
+    def _disconnect(self) -> None:
+        if self.host is None:
+            return
+        self.host.disable_monitor()
+        self._closes.close(linger=0)
+        self.host.close(linger=0)
+        self.host = self._closes = None
 
     def _switch(self, endpoint: Optional[str]) -> None:
         """A DNS slot's host changed: the old one's work gets `unavailable`, the new one is used once it
@@ -117,8 +134,8 @@ class RemoteWorker:
         log.info("GPU host slot %s: %s -> %s", self.device, old or "vacant", endpoint or "vacant")
         if self.host is not None:
             self.poller.unregister(self.host)
-            self.host.close(linger=0)
-            self.host = None
+            self.poller.unregister(self._closes)
+            self._disconnect()
         for req in list(self.pending):
             self._done(req, ErrorCode.UNAVAILABLE, f"GPU host {old} left (it is no longer behind its DNS name); retry")
         self.pending.clear()
@@ -128,8 +145,9 @@ class RemoteWorker:
         if endpoint is None:
             self.state = ProcState.VACANT
         else:
-            self.host = self._connect(endpoint)
+            self._connect(endpoint)
             self.poller.register(self.host, zmq.POLLIN)
+            self.poller.register(self._closes, zmq.POLLIN)
             self.state = ProcState.UNREACHABLE   # until it answers a heartbeat: then READY is reported
             self._last_pong, self._next_ping, self._epoch = time.monotonic(), 0.0, 0
         self._report(self.state)
@@ -139,6 +157,7 @@ class RemoteWorker:
         poller.register(self.tasks, zmq.POLLIN)
         if self.host is not None:
             poller.register(self.host, zmq.POLLIN)
+            poller.register(self._closes, zmq.POLLIN)
         if self.state is ProcState.VACANT:
             self._report(self.state)
         beat = self.config.bridge.heartbeat_s
@@ -157,6 +176,12 @@ class RemoteWorker:
             if events.get(self.tasks):
                 while self.tasks.poll(0):
                     self._from_frontend(unpack(self.tasks.recv()))
+            if self._closes is not None and events.get(self._closes):
+                closed = False
+                while self._closes.poll(0):
+                    closed |= recv_monitor_message(self._closes)["event"] == zmq.EVENT_DISCONNECTED
+                if closed:
+                    self._lost("closed the connection")
             self._heartbeat()
 
     def _send_host(self, frames: list) -> bool:
@@ -179,16 +204,7 @@ class RemoteWorker:
             self._next_ping = now + self.config.bridge.heartbeat_s
         gone = (ProcState.UNREACHABLE, ProcState.STOPPED)
         if self.state not in gone and now - self._last_pong > self.config.bridge.dead_after_s:
-            if self._host_stopping:   # it said it is shutting down: its silence is that
-                log.warning("GPU host %s went silent after saying it is shutting down (no Goodbye came)",
-                            self.endpoint)
-                self._host_stopped()
-            else:
-                log.warning("GPU host %s does not answer heartbeats", self.endpoint)
-                self.state = ProcState.UNREACHABLE
-                self.pending.clear()  # the frontend answers them all `unavailable`
-                self._pinning.clear()   # (their loads too: pinned again, if answered, by the next Pins)
-                self._report(self.state)
+            self._lost("does not answer heartbeats")
         elif now >= self._next_report and (self.state in (*gone, ProcState.STARTING)
                                            or (self.watcher is not None and self.state is not None)):
             # NOTE: a DNS slot says every state again each second: the supervisor only knows its
@@ -196,6 +212,20 @@ class RemoteWorker:
             # Repeated while not ready, so a restarted frontend learns it too, and so it outlasts the
             # supervisor's own "ready" for this process should that arrive later.
             self._report(self.state)
+
+    def _lost(self, why: str) -> None:
+        """The host went silent or its connection closed: what is in flight on it will not be answered."""
+        if self.state in (ProcState.UNREACHABLE, ProcState.STOPPED):
+            return
+        if self._host_stopping:   # it said it is shutting down: its silence is that
+            log.warning("GPU host %s %s after saying it is shutting down (no Goodbye came)", self.endpoint, why)
+            self._host_stopped()
+            return
+        log.warning("GPU host %s %s", self.endpoint, why)
+        self.state = ProcState.UNREACHABLE
+        self.pending.clear()  # the frontend answers them all `unavailable`
+        self._pinning.clear()   # (their loads too: pinned again, if answered, by the next Pins)
+        self._report(self.state)
 
     def _host_stopped(self) -> None:
         """The host shut down: what it did not answer gets `unavailable` saying so, before the frontend
