@@ -359,13 +359,15 @@ def bridge_configs(models: Path, keys: Path, port: int, prefix: str, **settings)
 
 
 @contextmanager
-def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0, prefix: tuple[str, ...] = ()):
+def gpu_host(tmp_path: Path, config: dict, clock_skew_s: float = 0.0, prefix: tuple[str, ...] = (),
+             env: Optional[dict] = None):
     """A `--role gpu` supervisor; ready once it prints its summary. With `clock_skew_s`, every process of
-    it reads a monotonic clock that far ahead (tests/skewed_clock): a host with another uptime."""
+    it reads a monotonic clock that far ahead (tests/skewed_clock): a host with another uptime. `env`:
+    added to its environment."""
     cfg = tmp_path / f"gpu-{time.monotonic_ns()}.yaml"
     cfg.write_text(yaml.safe_dump(config))
     log = cfg.with_suffix(".log")
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     if clock_skew_s:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "skewed_clock"), env.get("PYTHONPATH", "")])
         env["LIPSYNC_TEST_CLOCK_SKEW_S"] = str(clock_skew_s)

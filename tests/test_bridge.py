@@ -472,6 +472,47 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
     assert stats["frames_speech"] + stats["missed"] == 50, stats
 
 
+def test_two_edges_clients_share_the_gpu_hosts_worker(tmp_path, models, keys):
+    """One edge's client has eight requests at the GPU host's worker at once, each a step of its own
+    (limits.max_batch frames; the stand-in device makes every call 400 ms long); another edge's client,
+    whose number on its own edge is the same, sends one once the first of them is answered: it runs
+    after the step running then and the one prepared behind it, not after all eight. The GPU host tells
+    the two clients apart by the edge they came from."""
+    from gpu_actor.device import STAND_IN_COST_ENV
+    port = free_port()
+    room = {"limits.max_batch": 2, "limits.queue_depth": 16, "shm.slots": 16}   # (a client's half: all eight)
+    host_cfg = gpu_config(models, keys, port)
+    host_cfg["limits"].update(max_batch=2, queue_depth=16)
+    host_cfg["shm"]["slots"] = 16
+    audio = np.random.default_rng(3).standard_normal((2, 32, 16, 16)).astype(np.float32)
+    with gpu_host(tmp_path, host_cfg, env={STAND_IN_COST_ENV: "400,0"}), \
+            run_server(tmp_path, edge_config(models, keys, port, **room), role="edge") as many_edge, \
+            run_server(tmp_path, edge_config(models, keys, port, **room), role="edge") as one_edge:
+        for edge in (many_edge, one_edge):
+            with edge.client(timeout_s=120) as c:
+                _remote_ready(c)
+                c.composite("a", audio)   # (loaded; each edge's client is its first: number 1 there)
+
+        async def main() -> list[str]:
+            order: list[str] = []
+            async with AsyncClient(many_edge.endpoint, timeout_s=120) as many, \
+                    AsyncClient(one_edge.endpoint, timeout_s=120) as one:
+                async def send(client: AsyncClient, name: str, k: int) -> None:
+                    await client.composite("a", audio, start_frame=k)
+                    order.append(name)
+                flood = [asyncio.create_task(send(many, f"many{k}", k)) for k in range(8)]
+                while not order:
+                    await asyncio.sleep(0.01)
+                await send(one, "one", 0)
+                await asyncio.gather(*flood)
+            return order
+
+        order = asyncio.run(main())
+    # answered before it: the first, the one running when it came, the one prepared behind that (and one
+    # more where a host took a whole step to pass it on); as one client, it came after all eight
+    assert order.index("one") <= 4, order
+
+
 def _name(process: psutil.Process) -> str:
     """A process's name, or "" for one that ended since it was listed."""
     try:
