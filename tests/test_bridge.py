@@ -464,9 +464,11 @@ def test_an_edges_live_speech_is_live_on_the_gpu_host_too(tmp_path, models, keys
         _remote_ready(c)
         c.load("b")
 
-        # (two clients: each holds at most a share of the edge's room; the GPU host's refusals: its queue of 2)
+        # (two clients: each holds at most a share of the edge's room; the GPU host's refusals, its queue of 2:
+        # a newcomer refused, or another client's newest request pushed out for it)
         stats, before, after = speech_beside_a_flood(
-            edge.endpoint, "b", 2, 6, lambda err: err.code == "overloaded" and "has 2 requests queued" in err.message, 30)
+            edge.endpoint, "b", 2, 6, lambda err: err.code == "overloaded" and (
+                "has 2 requests queued" in err.message or " of its 2 requests" in err.message), 30)
         assert after > before, "the GPU host's queue was not full while the session spoke"
     assert "failed (overloaded)" not in stats["missed_in"], stats
     assert stats["frames_speech"] + stats["missed"] == 50, stats
