@@ -162,6 +162,27 @@ def test_a_restarted_peers_requests_are_freed_by_their_ids_and_no_others(ring):
     assert ring.release_below(900) == 1 and ring.slots_in_use() == 1
 
 
+def test_a_restarted_owners_reset_reaches_its_predecessors_requests_and_no_other_owners(ring):
+    """Request ids of two client-facing processes (owners 0 and 1, shm/requests.py): owner 1 restarts
+    later than owner 0 started, so every id of owner 0 is below the new owner 1's first id; its reset
+    frees its predecessor's slots and pins only, and the new process's first request is not taken
+    for a dead one's."""
+    from shm.requests import Floors, drop_owned_below, first_id, release_owned, same_owner_below
+    zero, one = first_id(0, 1_000), first_id(1, 2_000)
+    floor = first_id(1, 3_000)   # owner 1's successor
+    zeros, ones = [ring.try_acquire(request_id=zero + k) for k in range(2)], [ring.try_acquire(request_id=one)]
+    assert not same_owner_below(zero, floor) and same_owner_below(one, floor) and not same_owner_below(floor, floor)
+    assert ring.release_below(floor) == 1
+    assert [ring.state(s) for s in zeros + ones] == [SlotState.WRITING, SlotState.WRITING, SlotState.FREE]
+    pins = {"a": [zero, one, zero + 1], "b": [one]}
+    assert drop_owned_below(pins, floor) == 2 and pins == {"a": [zero, zero + 1]}
+    release_owned(pins, "a", floor)   # (the new owner holds no pin of a: owner 0's stay)
+    assert pins == {"a": [zero, zero + 1]}
+    floors = Floors()
+    floors.raise_to(floor)
+    assert floors.gone(one) and not floors.gone(floor) and not floors.gone(zero) and not floors.gone(floor + 1)
+
+
 def test_attacher_exit_does_not_unlink(shm_name):
     ring = SlotRing.create(RingSpec.for_bytes(shm_name, 1, 64))
     try:
