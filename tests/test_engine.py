@@ -154,6 +154,62 @@ def test_stats_answers_with_what_came_after_its_gathering_deadline():
     assert held(e) == NOTHING
 
 
+def test_a_request_goes_to_the_worker_that_has_or_is_loading_its_model_else_the_least_busy():
+    """frontend.routing affinity: the least busy worker (requests on it) when none has the model, ties
+    to the first; the worker loading a model gets its next requests, though another is less busy (so a
+    model is loaded once, not once per worker)."""
+    e = engine(workers=2)   # both have `m`
+    first, _ = submit(e, model="m")
+    cold, actions = submit(e, model="cold")
+    assert (first.worker, cold.worker) == (0, 1)
+    assert [(a.worker, a.message.model) for a in of(actions, SendWorker)] == [(1, "cold")]
+    e.infer_done(InferDone(req=first.req, worker=0, ok=True))   # worker 0 idle now, worker 1 loading `cold`
+    again, actions = submit(e, model="cold")
+    assert again.worker == 1 and not of(actions, SendWorker), "a second load of the model on another worker"
+    other, _ = submit(e, model="m")
+    assert other.worker == 0
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
+def test_room_goes_to_live_speech_due_soonest_then_to_each_client_by_its_frames_and_deadlines():
+    """The order a worker's queue gets room in: live speech by due time, not arrival; then the clients, a
+    client's requests by deadline, not arrival, each ranked by the frames its client has on the worker
+    (in flight there, and queued before it): when room for two comes at once, the second goes to another
+    client's request, not to the first one's client again."""
+    from frontend.core.request import Inputs
+
+    def speech(due: float) -> Request:
+        r = Request(Kind.COMPOSITE, "m", 1, deadline=500.0, inputs=Inputs("m", 1, [0], b"", "windows", (4,), due=due))
+        e.submit(r, now=0.0)
+        return r
+
+    e = engine(slots=1, queue_depth=16)
+    running, _ = submit(e, conn="x", batch=1, deadline=10.0)
+    late_speech, soon_speech = speech(300.0), speech(200.0)
+    late, soon = (submit(e, conn="x", batch=1, deadline=d)[0] for d in (90.0, 60.0))
+    order, last = [], running
+    for _ in range(4):
+        (d,) = of(e.infer_done(InferDone(req=last.req, worker=0, ok=True)), Dispatch)
+        order.append(d.request)
+        last = d.request
+    assert order == [soon_speech, late_speech, soon, late]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+    e = engine(slots=4, queue_depth=16)
+    y_running, w_running = submit(e, conn="y")[0], submit(e, conn="w")[0]   # room for two more
+    _, actions = submit(e, conn="x", model="cold", deadline=50.0)
+    (load,) = of(actions, SendWorker)
+    y_b = submit(e, conn="y", model="cold", deadline=55.0)[0]
+    x_b = submit(e, conn="x", model="cold", deadline=60.0)[0]
+    x_a = next(r for r in e.workers[0].queue if r.deadline == 50.0)
+    actions = e.control_done(LoadDone(req=load.message.req, worker=0, model="cold", ok=True))
+    assert [a.request for a in of(actions, Dispatch)] == [x_a, y_b], [a.request.client for a in of(actions, Dispatch)]
+    e.shutdown("stop")
+    assert held(e) == NOTHING
+
+
 def test_a_cold_model_is_loaded_without_holding_a_slot_and_warm_requests_pass_it():
     e = engine(slots=1)
     cold, actions = submit(e, model="cold")
