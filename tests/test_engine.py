@@ -198,11 +198,12 @@ def test_room_goes_to_live_speech_due_soonest_then_to_each_client_by_its_frames_
     assert held(e) == NOTHING
 
     e = engine(slots=4, queue_depth=16)
-    y_running, w_running = submit(e, conn="y")[0], submit(e, conn="w")[0]   # room for two more
+    submit(e, conn="y")
+    submit(e, conn="w")   # (in flight: room for two more)
     _, actions = submit(e, conn="x", model="cold", deadline=50.0)
     (load,) = of(actions, SendWorker)
     y_b = submit(e, conn="y", model="cold", deadline=55.0)[0]
-    x_b = submit(e, conn="x", model="cold", deadline=60.0)[0]
+    submit(e, conn="x", model="cold", deadline=60.0)
     x_a = next(r for r in e.workers[0].queue if r.deadline == 50.0)
     actions = e.control_done(LoadDone(req=load.message.req, worker=0, model="cold", ok=True))
     assert [a.request for a in of(actions, Dispatch)] == [x_a, y_b], [a.request.client for a in of(actions, Dispatch)]
