@@ -7,11 +7,11 @@ counted from the virtual time when it last had none waiting. Its queued tasks, d
 where its service ends, one after another; the virtual time is the highest start a step has taken.
 Tasks run in start order (ties: deadline first): a newcomer's first task starts at the virtual time,
 ahead of the queued tasks of a client that sent many, and two clients that keep tasks queued get the
-device's frames in equal shares, whatever the size of their tasks. A client with no task waiting is
-forgotten (as deficit round robin and fq_codel forget a flow that empties): its next task starts at the
-virtual time like a newcomer's, and the table holds only the clients with tasks waiting, however many
-come and go (one-request clients all start at the virtual time, which then does not move, so the
-tags alone would never let them go).
+device's frames in equal shares, whatever the size of their tasks. A client whose service ends at or
+before the virtual time is forgotten: its next task would start there anyway. Clients that each send
+one request and go all start at the virtual time, which then does not move, so their tags would stay;
+past MAX_CLIENTS the ones ending soonest are forgotten (each comes back at most its last task's frames
+early).
 
 A client is a tenant, wherever its tasks come from, else a connection: its frontend's number for it
 within the process that sent the task (the owner bits of its request id), so that numbers of two
@@ -24,6 +24,9 @@ from typing import Callable, Hashable, Iterable
 
 from shm.messages import InferTask
 from shm.requests import client_key
+
+
+MAX_CLIENTS = 4096   # tags kept at most (then the half ending soonest go)
 
 
 def _client(task: InferTask) -> Hashable:
@@ -43,9 +46,6 @@ class Turns:
         """`tasks` in the order they run, `rows(task)` being the frames each has still to run."""
         tasks = list(tasks)
         live = sorted((t for t in tasks if t.due), key=lambda t: t.due)
-        waiting = {_client(t) for t in tasks if not t.due}
-        for gone in [c for c in self._ends if c not in waiting]:
-            del self._ends[gone]
         starts: dict[Hashable, float] = {}
         ranked = []
         for task in sorted((t for t in tasks if not t.due), key=_deadline):
@@ -59,10 +59,16 @@ class Turns:
 
     def taken(self, task: InferTask, rows: int) -> None:
         """`rows` of the task went into a step: its client's service grows by them, and the virtual time
-        moves up to where they started."""
+        moves up to where they started; a client whose service ends before it has no say any more."""
         if task.due:
             return
         client = _client(task)
         start = max(self.virtual, self._ends.get(client, 0.0))
         self._ends[client] = start + rows
-        self.virtual = start
+        if start > self.virtual:
+            self.virtual = start
+            for other in [c for c, end in self._ends.items() if end <= start]:
+                del self._ends[other]
+        if len(self._ends) > MAX_CLIENTS:
+            kept = sorted(self._ends.items(), key=lambda item: item[1])[-(MAX_CLIENTS // 2):]
+            self._ends = dict(kept)

@@ -520,7 +520,7 @@ def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first()
     from shm.requests import first_id
     from shm.ring import TensorRef
 
-    ids = iter(range(first_id(1, 0), first_id(1, 0) + 10_000))
+    ids = iter(range(first_id(1, 0), first_id(1, 0) + 100_000))
 
     def task(client: int, batch: int, deadline: float = 100.0, due: float = 0.0, owner: int = 1) -> InferTask:
         req = next(ids) if owner == 1 else first_id(owner, 0)
@@ -548,11 +548,24 @@ def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first()
     burst = [task(4, 8, deadline=40.0 + k) for k in range(5)]
     order = turns.order(queue + burst, lambda t: t.batch)
     assert {t.client for t in order[:4]} != {4}, [t.client for t in order]
-    # a client served and gone is forgotten: thousands of one-request clients leave no table behind
-    for client in range(100, 3100):
+    # a client whose task runs (a part of it: not waiting) keeps its service: its next task, due first,
+    # still goes after another client's
+    turns = Turns()
+    running = task(7, 8, deadline=10.0)
+    turns.taken(running, 8)
+    turns.taken(turns.order([task(8, 1, deadline=50.0)], lambda t: t.batch)[0], 1)
+    again, other = task(7, 8, deadline=11.0), task(8, 1, deadline=51.0)
+    assert turns.order([again, other], lambda t: t.batch)[0] is other
+    # clients that each send one request and go leave at most MAX_CLIENTS tags behind, and the
+    # backlogged client's tag is not among those forgotten
+    from gpu_actor.turns import MAX_CLIENTS
+    backlog = task(5, 8, deadline=1e9)
+    turns.taken(backlog, 8 * 64)
+    for client in range(100, 100 + 2 * MAX_CLIENTS):
         one = task(client, 2)
-        turns.taken(turns.order([one], lambda t: t.batch)[0], 2)
-    assert len(turns._ends) <= 2, len(turns._ends)
+        turns.taken(turns.order([one, backlog], lambda t: t.batch)[0], 2)
+    assert len(turns._ends) <= MAX_CLIENTS, len(turns._ends)
+    assert turns.order([task(6, 2, deadline=2e9), backlog], lambda t: t.batch)[0].client == 6
 
 
 def test_a_tenant_through_several_frontends_is_one_client_of_the_worker():
