@@ -41,6 +41,31 @@ from shm.store import BackgroundStore, StoreError
 log = logging.getLogger(__name__)
 
 
+class DueQueue:
+    """A compositing process's tasks (CompositeTask, RenderIdle, EncodeFrames), the one due soonest first:
+    a live frame's due time, else the deadline (batch work, idle renders without a live frame); in arrival
+    order among equals, which keeps a session's encodes in order. So a live frame waits for the task
+    being run, never for batch work queued before it."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, object]] = []
+        self._arrivals = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, task) -> None:
+        heapq.heappush(self._heap, (task.due or task.deadline, next(self._arrivals), task))
+
+    def pop(self):
+        return heapq.heappop(self._heap)[2]
+
+    def drop_below(self, floor: int) -> None:
+        """A restarted frontend's predecessor's tasks go (ResetRequests)."""
+        self._heap = [entry for entry in self._heap if not same_owner_below(entry[2].req, floor)]
+        heapq.heapify(self._heap)
+
+
 class Compositor:
     def __init__(self, ctx: zmq.Context, config: Config, run: RunSpec, index: int):
         self.config, self.index = config, index
@@ -52,11 +77,8 @@ class Compositor:
         self.mouth_rings = {spec.name: SlotRing.attach(spec) for spec in run.output_rings}
         self.images = SlotRing.attach(run.image_rings[index], populate=False)
         self.images.become_writer()
-        # CompositeTask, RenderIdle, EncodeFrames: the one due soonest first (a live frame's due time,
-        # else the deadline; in arrival order among equals, which keeps a session's encodes in order).
-        self.queue: list[tuple[float, int, object]] = []
+        self.queue = DueQueue()
         self._floors = Floors()   # a dead frontend's request ids (ResetRequests)
-        self._arrivals = itertools.count()
         self.store = BackgroundStore.attach(run.store)
         self.assets = AssetCache(config)
         self.splicer = RowSplicer(config.compositing.jpeg_cache_bytes)
@@ -97,7 +119,7 @@ class Compositor:
             # are short, and until one is whole its sessions encode every silent frame themselves.
             if self.queue:
                 self._drain()
-                _, _, task = heapq.heappop(self.queue)
+                task = self.queue.pop()
                 handlers[type(task)](task)
                 if self.loops:
                     self._loop_step()
@@ -122,8 +144,7 @@ class Compositor:
         if isinstance(msg, (CompositeTask, RenderIdle, EncodeFrames)):
             if self._floors.gone(msg.req):   # a dead frontend's, read after the reset
                 return
-            due = msg.due or msg.deadline   # batch work and idle renders without a live frame: their deadline
-            heapq.heappush(self.queue, (due, next(self._arrivals), msg))
+            self.queue.push(msg)
         elif isinstance(msg, EncodeLoop):
             self.loops.append((msg, None, []))
         elif isinstance(msg, CloseEncoder):
@@ -133,8 +154,7 @@ class Compositor:
             self.images.release_request(msg.req)
         elif isinstance(msg, ResetRequests):   # a new frontend: its predecessor's requests are gone
             self._floors.raise_to(msg.floor)
-            self.queue = [entry for entry in self.queue if not same_owner_below(entry[2].req, msg.floor)]
-            heapq.heapify(self.queue)
+            self.queue.drop_below(msg.floor)
             self.images.release_below(msg.floor)
 
     def _wait_for_release(self, remaining_s: float) -> None:

@@ -229,3 +229,36 @@ def test_a_spliced_jpeg_is_the_whole_frame_encoded(size, rows):
         assert spliced == encode_jpeg(frame, quality)
         decoded = simplejpeg.decode_jpeg(spliced, colorspace="BGR")
         assert decoded.shape == (h, w, 3) and np.abs(decoded.astype(int) - frame).mean() < 20
+
+
+def test_a_compositing_process_takes_a_live_frame_before_batch_work_queued_ahead_of_it():
+    """A compositing process's queue: the task due soonest first (a live frame's due time, else the
+    deadline), so a session's frame waits only for the task being run, not for a client's batch work
+    that came first; among equal times in arrival order (a session's encodes stay in order); a restarted
+    frontend's predecessor's tasks leave it, and no other's."""
+    from cpu_actor.worker import DueQueue
+    from shm.messages import CompositeTask, RenderIdle
+    from shm.requests import first_id
+    from shm.ring import TensorRef
+
+    mouths = TensorRef("r", 0, 0, 0, "float32", (1, 3, 320, 320))
+
+    def composite(req: int, deadline: float, due: float = 0.0) -> CompositeTask:
+        return CompositeTask(req=req, model="m", worker=0, mouths=mouths, start=0, end=1, frames=[0], format="jpeg",
+                             quality=80, deadline=deadline, due=due)
+
+    old, new = first_id(1, 0), first_id(0, 0)
+    batch = [composite(new + k, deadline=20.0 + k) for k in range(3)]   # (a client's: due in seconds)
+    speech = [composite(new + 10, deadline=30.0, due=7.0), composite(new + 11, deadline=30.0, due=6.5)]
+    idle = RenderIdle(req=new + 12, model="m", frames=[0], format="jpeg", quality=80, deadline=30.0, due=6.5)
+    gone = composite(old + 1, deadline=1.0)
+    queue = DueQueue()
+    for task in [*batch, gone, *speech, idle]:
+        queue.push(task)
+    queue.drop_below(first_id(1, 5))   # frontend 1 restarted
+    assert len(queue) == 6
+    assert [queue.pop() for _ in range(6)] == [speech[1], idle, speech[0], *batch]
+    late = [composite(new + 20, deadline=9.0), composite(new + 21, deadline=30.0, due=3.0)]
+    for task in late:
+        queue.push(task)
+    assert [queue.pop() for _ in range(2)] == [late[1], late[0]]
