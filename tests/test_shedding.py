@@ -58,6 +58,11 @@ def test_past_the_speakers_the_host_holds_the_newest_give_up_their_speech_before
     whole = Fake("w")
     whole.shed_whole = True   # (h264) straight back to FULL: one step
     assert shedder.crowd([a, whole], held=1)[0].level == NONE and shedder.steps == ["w"]
+    # the host's other client-facing processes have 2 speaking of the 3 it holds: one here keeps its
+    # speech, and the oldest here is not spared while another process has one older
+    others = Shedder()
+    assert [ch.token for ch in others.crowd([a, b, c], held=3, others=2)] == ["c", "b"]
+    assert [ch.token for ch in others.crowd([a], held=1, others=1)] == ["a"]
 
 
 def test_as_many_sessions_step_down_as_the_share_of_speech_in_trouble():
