@@ -163,6 +163,7 @@ def test_speaking_at_once_is_the_binomial_upper_quantile():
     assert speaking_at_once(40, 0.0, 0.01) == 0 and speaking_at_once(40, 1.0, 0.01) == 40
     assert speaking_at_once(0, 0.5, 0.01) == 0
     assert speaking_at_once(5000, 0.27, 0.01) > 5000 * 0.27   # no underflow on a large host
+    assert speaking_at_once(40, 0.27, 0.02) == 17   # P(X > 17) = 1.09 % <= 2 %
 
 
 def test_a_host_full_when_sessions_speak_together_refuses_before_the_average_says_so():
@@ -352,3 +353,28 @@ def test_the_gpu_limit_holds_bursts_of_speech_too():
     assert k * 25 > 0.9 * 1000 >= speaking_at_once(n - 1, 0.27, 0.01) * 25   # the burst, not the average, binds
     assert n * 0.27 * 25 <= 0.75 * 1000
     assert "speak at once" in cap.refuse(0.0, n - 1).message
+
+
+def test_a_burst_that_one_single_threaded_process_could_not_run_is_refused_though_the_cores_have_room():
+    """16 cores, but 10 ms of one compositing process's core per speech frame: it runs 4 speaking at once.
+    Sessions are let in while the number speaking at once that is passed only sessions.burst_share of the
+    time fits in that core, the rest refused naming the process."""
+    cap = Capacity(cores=16, max_load=0.75, max_process_load=0.9, speaking_share=0.27, fps=25, burst_share=0.01,
+                   max_burst_load=0.9)
+    cap.per_session, cap.per_frame = {"frontend": 0.0, "cpu0": 0.0}, {"frontend": 0.0, "cpu0": 0.01}
+    idle = {"frontend": 0.0, "cpu0": 0.0}
+    cap.load, cap.cost = Load(idle, 1.0), Load({**idle, "frontend": 0.001}, 1.0)
+    let_in = next(n for n in range(1, 500) if cap.refuse(0.0, n - 1) is not None) - 1
+    assert let_in == max(n for n in range(1, 100) if 25 * 0.01 * speaking_at_once(n, 0.27, 0.01) <= 1.0)
+    busy = cap.refuse(0.0, let_in)
+    assert "cpu0 would need" in busy.message and "its one core" in busy.message, busy.message
+
+
+def test_the_speakers_a_host_holds_are_bounded_by_its_cores_as_well_as_by_each_process():
+    """speakers_held (what shedding holds speaking at once): 12 ms of CPU per speech frame over two processes
+    (0.3 of a core per speaker at 25 fps) on one core at max_burst_load 0.9: 3, though each process alone
+    would run 6."""
+    cap = Capacity(cores=1, max_load=0.75, max_process_load=0.9, speaking_share=0.27, fps=25, max_burst_load=0.9)
+    cap.per_session, cap.per_frame = {"cpu0": 0.0, "cpu1": 0.0}, {"cpu0": 0.006, "cpu1": 0.006}
+    cap.load = Load({"cpu0": 0.45, "cpu1": 0.45}, 10)   # busy
+    assert cap.speakers_held(10) == 3
