@@ -16,7 +16,9 @@ import pytest
 import zmq
 from onnx import TensorProto, helper
 
+from config.audio import frame_count
 from frontend.server.validate import parse_header
+from gpu_actor.model_builder import write_audio_encoder
 from lipsync_client.protocol import RequestHeader
 from tests.helpers import base_config, free_port, make_avatar, run_server
 
@@ -58,6 +60,8 @@ def png_claiming(width: int, height: int) -> bytes:
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     make_avatar(root, "a", n_frames=4)
+    write_audio_encoder(make_avatar(root, "speaks", n_frames=4) / "audio_encoder.onnx")
+    write_audio_encoder(make_avatar(root, "hubert", n_frames=2, audio="hubert") / "audio_encoder.onnx")
     make_avatar(root, "shrinks", n_frames=6, seed=1)
     for name, value in (("nan", "NaN"), ("huge", "1e300"), ("bigint", "1" + "0" * 40)):
         d = make_avatar(root, name, n_frames=2)
@@ -200,6 +204,45 @@ def test_a_header_reads_the_same_whichever_way_it_is_parsed(raw):
     # parse_header decodes a valid header in one step (msgspec) and falls back to json + convert: both
     # must read a header alike
     assert parse_header(raw) == msgspec.convert(json.loads(raw), RequestHeader, strict=True)
+
+
+def _pcm(frames: int) -> bytes:
+    """The shortest 16 kHz utterance (int16, silence) that gives `frames` frames."""
+    return b"\0\0" * next(n for n in range(0, 100_000, 40) if frame_count(n) >= frames)
+
+
+MODEL_A = {"op": "composite", "model": "a", "batch": 1}
+PCM = {"op": "composite", "model": "speaks", "audio_format": "pcm16"}
+
+
+@pytest.mark.parametrize("header, payload, hint", [
+    ({"op": "composite", "batch": 1}, [AUDIO1], "header.model: required"),
+    ({"op": "composite", "model": "a"}, [AUDIO1], "header.batch: required"),
+    ({**MODEL_A, "batch": 9}, [AUDIO1], "header.batch: 9 is more than limits.max_batch (8)"),
+    ({"op": "infer", "model": "a", "batch": 1}, [AUDIO1], "op infer takes 2 (visual, audio)"),
+    ({"op": "session_audio"}, [AUDIO1], "header.session: required"),
+    ({"op": "session_audio", "session": "x"}, [AUDIO1, AUDIO1], "op session_audio takes 1 (audio)"),
+    ({"op": "health"}, [b"x"], "op health takes no frames after the header"),
+    ({**MODEL_A, "return_audio": True}, [AUDIO1], "header.return_audio"),
+    ({**MODEL_A, "format": "png", "quality": 80}, [AUDIO1], "header.quality"),
+    ({**MODEL_A, "format": "h264"}, [AUDIO1], "header.format: h264 is for live sessions"),
+    ({**MODEL_A, "webrtc": True}, [AUDIO1], "header.webrtc"),
+    ({**MODEL_A, "sample_rate": 24000}, [AUDIO1], "header.sample_rate"),
+    ({**MODEL_A, "utterance": 1}, [AUDIO1], "header.utterance"),
+    ({**MODEL_A, "pixel_format": "rgb24"}, [AUDIO1], "header.pixel_format"),
+    ({**MODEL_A, "batch": 2}, [b"\0" * 10, AUDIO1], "payload[0] (visual): 10 bytes"),
+    ({**MODEL_A, "batch": 2}, [AUDIO1[:100]], "payload[0] (audio): 100 bytes"),
+    ({"op": "composite", "model": "a", "audio_format": "pcm16"}, [_pcm(2)], "has no audio encoder"),
+    ({**PCM, "model": "hubert"}, [_pcm(2)], "takes [32, 32, 32] feature windows (hubert or wenet)"),
+    (PCM, [_pcm(2) + b"\0"], "2 bytes per sample"),
+    (PCM, [b"\0" * 200], "an utterance needs at least"),
+    ({**PCM, "batch": 3}, [_pcm(2)], "header.batch: 3, but"),
+    (PCM, [_pcm(9)], "split the utterance"),
+    (PCM, [b"\0" * 10, _pcm(2)], f"for the {frame_count(len(_pcm(2)) // 2)} frames this PCM gives"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_each_malformed_request_is_refused_saying_what_to_fix(server, header, payload, hint):
+    err = _error(_ask(server, [json.dumps(header).encode(), *payload]))
+    assert err["code"] == "bad_request" and hint in err["message"], err
 
 
 def test_deeply_nested_json_is_a_bad_request(server):
