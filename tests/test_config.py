@@ -61,6 +61,10 @@ def test_default_yaml_is_exactly_the_schema_defaults_and_documents_every_key():
      "bridge.client_secret_key: required when bridge.hosts is set"),
     ("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570'}]\n  client_secret_key: e.key_secret\n",
      "bridge.hosts.0.server_key: required"),
+    ("bridge:\n  hosts: [{endpoint: 'tcp://gpu:5570', dns: gpu, server_key: g.key}]\n  client_secret_key: e.key_secret\n",
+     "bridge.hosts.0: give either endpoint"),
+    ("bridge:\n  hosts: [{server_key: g.key}]\n  client_secret_key: e.key_secret\n", "bridge.hosts.0: give either endpoint"),
+    ("base_dir: /etc\n", "base_dir: unknown key"),
 ])
 def test_bad_config_is_refused_with_file_and_key_path(tmp_path, text, message):
     path = tmp_path / "my.yaml"
