@@ -75,6 +75,8 @@ class RemoteWorker:
         self.outputs = SlotRing.attach(run.output_rings[index])
         self.outputs.become_writer()
         self._ctx = ctx
+        self.poller = zmq.Poller()
+        self.poller.register(self.tasks, zmq.POLLIN)
         self.host: Optional[zmq.Socket] = None
         self._closes: Optional[zmq.Socket] = None   # the host socket's monitor: its connection's closes
         if self.endpoint:
@@ -118,10 +120,14 @@ class RemoteWorker:
         self._closes = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint)
         self.host = sock
+        self.poller.register(self.host, zmq.POLLIN)
+        self.poller.register(self._closes, zmq.POLLIN)
 
     def _disconnect(self) -> None:
         if self.host is None:
             return
+        self.poller.unregister(self.host)
+        self.poller.unregister(self._closes)
         self.host.disable_monitor()
         self._closes.close(linger=0)
         self.host.close(linger=0)
@@ -132,10 +138,7 @@ class RemoteWorker:
         answers a heartbeat; None: no host behind this slot now (vacant)."""
         old = self.endpoint
         log.info("GPU host slot %s: %s -> %s", self.device, old or "vacant", endpoint or "vacant")
-        if self.host is not None:
-            self.poller.unregister(self.host)
-            self.poller.unregister(self._closes)
-            self._disconnect()
+        self._disconnect()
         for req in list(self.pending):
             self._done(req, ErrorCode.UNAVAILABLE, f"GPU host {old} left (it is no longer behind its DNS name); retry")
         self.pending.clear()
@@ -146,25 +149,18 @@ class RemoteWorker:
             self.state = ProcState.VACANT
         else:
             self._connect(endpoint)
-            self.poller.register(self.host, zmq.POLLIN)
-            self.poller.register(self._closes, zmq.POLLIN)
             self.state = ProcState.UNREACHABLE   # until it answers a heartbeat: then READY is reported
             self._last_pong, self._next_ping, self._epoch = time.monotonic(), 0.0, 0
         self._report(self.state)
 
     def run(self) -> None:
-        self.poller = poller = zmq.Poller()
-        poller.register(self.tasks, zmq.POLLIN)
-        if self.host is not None:
-            poller.register(self.host, zmq.POLLIN)
-            poller.register(self._closes, zmq.POLLIN)
         if self.state is ProcState.VACANT:
             self._report(self.state)
         beat = self.config.bridge.heartbeat_s
         while not self._stopping:
             if self.watcher is not None and self.watcher.endpoint != self.endpoint:
                 self._switch(self.watcher.endpoint)
-            events = dict(poller.poll(int(beat * 1000 / 2)))
+            events = dict(self.poller.poll(int(beat * 1000 / 2)))
             if self.host is not None and events.get(self.host):
                 while self.host.poll(0):
                     frames = self.host.recv_multipart(copy=False)
