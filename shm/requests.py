@@ -40,10 +40,15 @@ def tenant_client(name: str) -> int:
     return TENANT_BIT | int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "big")
 
 
+def is_tenant(client: Hashable) -> bool:
+    """Whether a client (a number, or a connection's key) is a tenant's number (tenant_client)."""
+    return isinstance(client, int) and bool(client & TENANT_BIT)
+
+
 def client_key(req: int, client: int) -> Hashable:
     """Whose share of a worker a task of request `req` and client number `client` takes: a tenant's
     wherever it came from, else the process that numbered the client (the request's owner)'s client."""
-    return client if client & TENANT_BIT else (owner_of(req), client)
+    return client if is_tenant(client) else (owner_of(req), client)
 
 
 def same_owner_below(req: int, floor: int) -> bool:

@@ -44,7 +44,7 @@ from shm.codes import ErrorCode
 from shm.endpoints import RunSpec, make_socket, network_socket
 from shm.messages import (Goodbye, InferDone, LoadDone, LoadModel, ModelEvent, Pins, Ping, Pong, ProcessEvent,
                           RemoteInfer, StatsQuery, StatsReport, UnloadModel, pack, unpack)
-from shm.requests import TENANT_BIT, owner_of
+from shm.requests import is_tenant, owner_of
 from shm.ring import SlotRing, StaleHandle
 
 log = logging.getLogger(__name__)
@@ -284,7 +284,7 @@ class BridgeServer(Shell):
             deadline = now + msg.budget_ms / 1000
         return Request(Kind.INFER, model, msg.batch, deadline=deadline, work=call, inputs=inputs,
                        # a tenant's number as it is (the same from every edge), else the edge's client
-                       client=msg.client if msg.client & TENANT_BIT else (call.identity, owner_of(msg.req), msg.client))
+                       client=msg.client if is_tenant(msg.client) else (call.identity, owner_of(msg.req), msg.client))
 
     def refuse(self, call: EdgeCall, code: ErrorCode, message: str) -> None:
         msg = call.message

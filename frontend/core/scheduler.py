@@ -30,7 +30,7 @@ from frontend.core.request import CLIENT_GONE, Kind, Request, State
 from shm.codes import ErrorCode, ModelEventKind, ProcState
 from shm.messages import (Chunk, CompositeDone, InferDone, LoadDone, LoadModel, ModelEvent, StatsQuery, StatsReport,
                           UnloadModel)
-from shm.requests import TENANT_BIT
+from shm.requests import is_tenant
 
 
 STATS_TIMEOUT_S = 2.0   # how long a `stats` op waits for the workers' answers before it answers with what came
@@ -273,8 +273,7 @@ class Scheduler:
         if r.client is not None:
             held = self._clients.get(r.client)
             if held is None:
-                tenant = isinstance(r.client, int) and r.client & TENANT_BIT
-                held = self._clients[r.client] = [r.client if tenant else next(self._client_nos), 0]
+                held = self._clients[r.client] = [r.client if is_tenant(r.client) else next(self._client_nos), 0]
             r.client_no = held[0]
             held[1] += 1
         self.table.add(r)
