@@ -189,6 +189,26 @@ def speech_beside_a_flood(endpoint: str, model: str, clients: int, in_flight: in
         thread.join()
 
 
+def one_beside_many(many_endpoint: str, one_endpoint: str, model: str, audio: np.ndarray, many: int = 8) -> list[str]:
+    """One client sends `many` `composite` requests at once (start frames 0 ..); another, sent once the
+    first of them is answered, sends one. The order of the answers: "many0" .., "one"."""
+    async def main() -> list[str]:
+        order: list[str] = []
+        async with AsyncClient(many_endpoint, timeout_s=120) as flood_client, \
+                AsyncClient(one_endpoint, timeout_s=120) as one_client:
+            async def send(client: AsyncClient, name: str, k: int) -> None:
+                await client.composite(model, audio, start_frame=k)
+                order.append(name)
+            flood = [asyncio.create_task(send(flood_client, f"many{k}", k)) for k in range(many)]
+            while not order:
+                await asyncio.sleep(0.01)
+            await send(one_client, "one", 0)
+            await asyncio.gather(*flood)
+        return order
+
+    return asyncio.run(main())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,8 +16,8 @@ import pytest
 from lipsync_client import AsyncClient, Client, ClientTimeout, ServerError, curve_keys
 from gpu_actor.model_builder import write_audio_encoder
 from tests.conftest import TEST_PREFIX
-from tests.helpers import (base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar, run_server,
-                           speech_beside_a_flood)
+from tests.helpers import (base_config, bridge_keys, decode_image, expected_frames, free_port, gpu_host, make_avatar,
+                           one_beside_many, run_server, speech_beside_a_flood)
 
 pytestmark = pytest.mark.slow
 AUDIO = np.random.default_rng(7).standard_normal((4, 32, 16, 16)).astype(np.float32)
@@ -495,21 +495,7 @@ def test_two_edges_clients_share_the_gpu_hosts_worker(tmp_path, models, keys):
                 _remote_ready(c)
                 c.composite("a", audio)   # (loaded; each edge's client is its first: number 1 there)
 
-        async def main() -> list[str]:
-            order: list[str] = []
-            async with AsyncClient(many_edge.endpoint, timeout_s=120) as many, \
-                    AsyncClient(one_edge.endpoint, timeout_s=120) as one:
-                async def send(client: AsyncClient, name: str, k: int) -> None:
-                    await client.composite("a", audio, start_frame=k)
-                    order.append(name)
-                flood = [asyncio.create_task(send(many, f"many{k}", k)) for k in range(8)]
-                while not order:
-                    await asyncio.sleep(0.01)
-                await send(one, "one", 0)
-                await asyncio.gather(*flood)
-            return order
-
-        order = asyncio.run(main())
+        order = one_beside_many(many_edge.endpoint, one_edge.endpoint, "a", audio)
     # answered before it: the first, the one running when it came, the one prepared behind that (and one
     # more where a host took a whole step to pass it on); as one client, it came after all eight
     assert order.index("one") <= 4, order

@@ -22,7 +22,7 @@ from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient, ClientClosed, ClientTimeout, ServerError
 from shm.messages import InferTask
-from tests.helpers import base_config, free_port, infer_at_once, make_avatar, run_server
+from tests.helpers import base_config, free_port, infer_at_once, make_avatar, one_beside_many, run_server
 
 CALL_MS = 400   # a call's fixed part: long enough that the burst's requests all queue behind the first call
 REQUESTS = 8    # 1 frame each, on two avatars of one architecture
@@ -490,21 +490,7 @@ def test_a_client_with_many_requests_at_the_worker_shares_it_with_anothers_one(t
         with srv.client(timeout_s=120) as c:
             c.load("a")
 
-        async def main() -> list[str]:
-            order: list[str] = []
-            async with AsyncClient(srv.endpoint, timeout_s=120) as many, \
-                    AsyncClient(srv.endpoint, timeout_s=120) as one:
-                async def send(client: AsyncClient, name: str, k: int) -> None:
-                    await client.composite("a", audio, start_frame=k)
-                    order.append(name)
-                flood = [asyncio.create_task(send(many, f"many{k}", k)) for k in range(8)]
-                while not order:
-                    await asyncio.sleep(0.01)
-                await send(one, "one", 0)
-                await asyncio.gather(*flood)
-            return order
-
-        order = asyncio.run(main())
+        order = one_beside_many(srv.endpoint, srv.endpoint, "a", audio)
     # answered before it: the first, the one running when it came, the one prepared behind that (and one
     # more where this host took a whole step to send it); in deadline order it came after all eight
     assert order.index("one") <= 4, order
