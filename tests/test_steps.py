@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.steps import say
+from config.assets import AssetError
 from gpu_actor.device import STAND_IN_COST_ENV
 from gpu_actor.own_session import OwnSessionRunner
 from lipsync_client import AsyncClient, ClientClosed, ClientTimeout, ServerError
@@ -123,10 +124,13 @@ def test_a_request_that_would_end_past_its_deadline_is_not_run_and_the_one_behin
 
 def test_a_request_prepared_behind_a_step_that_ran_long_is_weighed_again_and_not_run_past_its_deadline(tmp_path):
     """The worker prepares the next step while one runs, weighing each request's deadline against when
-    that step should end (steps' usual length). Here the running step lasts far longer (eight frames where
-    steps held one: the stand-in's FRAME_MS a frame, as a card's first call at a new shape would stall):
-    a request prepared behind it whose deadline passes meanwhile is answered `timeout` and never runs."""
-    frame_ms = 300
+    that step should end (steps' usual length, one frame's FRAME_MS here). Here the running step lasts far
+    longer (eight frames, as a card's first call at a new shape would stall):
+    - a request sent as it begins, due before a usual step behind it would end, is answered `timeout` at
+      once, not at its deadline (the client learns it now);
+    - a request prepared behind it, due within a usual step of its end, is weighed again as that step starts,
+      answered `timeout` and never run (run, it would end past its deadline)."""
+    frame_ms = 600
     root = tmp_path / "models"
     make_avatar(root, "a", kind="tiny")
     cfg = base_config(root, **{"limits.max_batch": 8, "shm.slots": 4})
@@ -141,21 +145,36 @@ def test_a_request_prepared_behind_a_step_that_ran_long_is_weighed_again_and_not
             for _ in range(3):   # the worker times its steps: one frame, frame_ms, is what a step takes now
                 c.infer("a", *one)
 
+        async def timed(client: AsyncClient, timeout_ms: int) -> tuple[object, float]:
+            sent = time.monotonic()
+            try:
+                return await client.infer("a", *one, timeout_ms=timeout_ms), time.monotonic() - sent
+            except ServerError as err:
+                return err, time.monotonic() - sent
+
         async def scenario() -> list:
             async with AsyncClient(srv.endpoint, timeout_s=120) as client:
+                began = time.monotonic()
                 long = asyncio.ensure_future(client.infer("a", *eight))   # 8 x frame_ms
-                await asyncio.sleep(frame_ms / 1000)   # its call has begun (a hop takes milliseconds)
-                # due 4 steps of one frame from now: it fits behind a usual step, not behind this one
-                doomed = asyncio.ensure_future(client.infer("a", *one, timeout_ms=4 * frame_ms))
-                return await asyncio.gather(long, doomed, return_exceptions=True)
+                await asyncio.sleep(frame_ms / 4000)   # its call has begun (a hop takes milliseconds)
+                # due 4/3 of a usual step from now: it would end past that behind the running step's usual
+                # length, which is what is weighed (it would not behind a step ending now)
+                at_once = await timed(client, round(frame_ms * 4 / 3))
+                await asyncio.sleep(max(began + frame_ms / 1000 - time.monotonic(), 0))
+                # due half a usual step after the long one ends: it fits behind a usual step, not this one
+                prepared = asyncio.ensure_future(client.infer(
+                    "a", *one, timeout_ms=round((began - time.monotonic()) * 1000 + 8.5 * frame_ms)))
+                return [*await asyncio.gather(long, prepared, return_exceptions=True), at_once]
 
-        served, doomed = asyncio.run(scenario())
+        served, doomed, (told, told_after_s) = asyncio.run(scenario())
         with srv.client() as c:
             c.infer("a", *one)   # a step after whatever ran behind the long one (stats answer beside a step)
             (architecture,) = c.stats()["workers"][0]["architectures"].values()
     assert not isinstance(served, BaseException), served
+    assert isinstance(told, ServerError) and told.code == "timeout" and "would end" in told.message, told
+    assert told_after_s < frame_ms / 2000, told_after_s   # at once: not at its deadline
     assert isinstance(doomed, ServerError) and doomed.code == "timeout", doomed
-    assert architecture["frames_per_call_histogram"] == {"1": 4, "8": 1}, architecture   # (it never ran)
+    assert architecture["frames_per_call_histogram"] == {"1": 4, "8": 1}, architecture   # (neither ran)
 
 
 def test_a_step_serves_the_rest_when_a_client_goes_and_an_unload_meets_its_models_queued_frames(tmp_path):
@@ -604,3 +623,29 @@ def test_a_calls_inference_time_leaves_out_the_visual_input_built_during_it(monk
         ((_, inference_ms),) = step.ran
         assert inference_ms < build_s * 1000 / 2, (job.rows, inference_ms)
     assert frames.spent_s >= 3 * build_s
+
+
+def test_a_pcm_tasks_window_rows_outside_its_encoder_inputs_fail_that_task_with_what_does_not_fit():
+    """A pcm16 task's frames name rows of its encoder inputs' outputs (-1: zeros). A row past the last
+    input, or below -1, fails that task with a bad request (run_step fails it alone) rather than reading
+    outside its inputs; the first and last rows and -1 are its own."""
+    from gpu_actor import step as steps
+    from shm.ring import TensorRef
+
+    inputs = 5   # encoder inputs sent, and their outputs [inputs, 512]
+    features = np.random.default_rng(0).standard_normal((inputs, 512)).astype(np.float32)
+    sent = np.zeros((inputs, 1, 80, 16), np.float32)
+
+    def windows(rows: list[list[int]]) -> np.ndarray:
+        task = InferTask(req=1, model="m", batch=len(rows), audio=TensorRef("r", 0, 0, 0, "float32", (inputs,)),
+                         visual=None, frames=[0] * len(rows), plan=[], rows=rows)
+        return steps._audio_input(task, sent, features, None)
+
+    got = windows([[0] * 8 + [inputs - 1] * 7 + [-1]])
+    expected = np.concatenate([np.repeat(features[:1], 8, 0), np.repeat(features[-1:], 7, 0), np.zeros((1, 512))])
+    assert np.array_equal(got.reshape(16, 512), expected)
+    for bad in (inputs, -2):
+        with pytest.raises(AssetError, match=rf"window rows \(1, 16\) do not fit {inputs} encoder inputs"):
+            windows([[0] * 15 + [bad]])
+    with pytest.raises(AssetError, match="do not fit"):   # a frame's rows not 16
+        windows([[0] * 15])
