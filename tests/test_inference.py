@@ -232,6 +232,66 @@ def test_unload_during_a_load_drops_the_model_when_the_load_ends(ten_models):
     reg.close()
 
 
+def test_room_is_made_before_a_load_starts_counting_the_loads_under_way(ten_models):
+    """An idle model over the cap is evicted as the next load starts (on a card its memory is what the load
+    needs), the loads under way counted against the cap; a model busy then is evicted once the load ends,
+    if it is idle by then."""
+    reg = _registry(ten_models, "lru", max_models=2)
+    _load(reg, "m0")
+    assert reg.start_load("m1") and reg.start_load("m2")   # m1 still loading (until polled)
+    assert "m0" not in reg.loaded
+    for name in ("m1", "m2"):
+        reg.loading[name].result(60)
+    reg.poll_loads()
+    assert set(reg.loaded) == {"m1", "m2"}
+    reg.queued("m1")
+    reg.queued("m2")
+    assert reg.start_load("m3")   # both busy: no room yet
+    assert set(reg.loaded) == {"m1", "m2"}
+    reg.finished("m1")
+    reg.loading["m3"].result(60)
+    reg.poll_loads()
+    assert set(reg.loaded) == {"m2", "m3"}
+    reg.close()
+
+
+def test_pinned_models_stay_until_their_own_process_unpins_or_restarts_then_the_cap_holds_again(ten_models):
+    """A live session pins its model (LoadModel pin): it is never evicted, the worker over its cap while
+    every model is held. A process's unpin takes one of its own pins only, another process's pin of the
+    model stays; a restarted process's pins go with its predecessor's request ids (drop_pins_below), and
+    the models over the cap are evicted then."""
+    from shm.requests import first_id
+    one, two = first_id(1, 1000), first_id(2, 1000)
+    reg = _registry(ten_models, "lru", max_models=2)
+    for name in ("m0", "m1"):
+        _load(reg, name)
+    reg.pin("m0", one)
+    reg.pin("m0", two)
+    reg.pin("m1", two + 1)
+    _load(reg, "m2")
+    assert set(reg.loaded) == {"m0", "m1", "m2"}   # over the cap: both older models held
+    reg.unpin("m0", one + 7)   # process one's session closes; process two's pin of m0 stays
+    _load(reg, "m3")
+    assert set(reg.loaded) == {"m0", "m1", "m3"}   # m2, idle, made room
+    assert reg.drop_pins_below(first_id(2, 2000)) == 2   # process two restarted
+    assert set(reg.loaded) == {"m1", "m3"}   # back within the cap at once: the least recently used went
+    reg.close()
+
+
+def test_the_devices_frames_per_s_is_its_slowest_loaded_architectures(ten_models):
+    """Admission's frames/s (every model event carries it) is the lowest of the loaded runners' measured
+    ones: a host holding a slow architecture beside a fast one is not sold the fast one's seats."""
+    from types import SimpleNamespace
+    from gpu_actor.registry import Loaded
+    reg = _registry(ten_models)
+    assert reg.frames_per_s() == 0.0
+    reg.loaded = {"fast": Loaded(SimpleNamespace(frames_per_s=900.0), 1, 0.0),
+                  "slow": Loaded(SimpleNamespace(frames_per_s=300.0), 1, 0.0),
+                  "cpu": Loaded(SimpleNamespace(frames_per_s=0.0), 1, 0.0)}   # (not measured: left out)
+    assert reg.frames_per_s() == 300.0
+    reg.close()
+
+
 def test_model_io_is_read_without_decoding_weights_and_ignores_initializer_inputs(tmp_path):
     from onnx import helper
     model = build_model("tiny", "hubert", batch=4, visual_name="image")
