@@ -302,3 +302,78 @@ def test_model_io_is_read_without_decoding_weights_and_ignores_initializer_input
     onnx.save(model, str(path))
     io = read_model_io(path)
     assert (io.visual, io.audio, io.audio_shape, io.batch) == ("image", "audio", (32, 32, 32), 4)
+
+
+# -- the worker's audio encoders (gpu_actor/encoder.py) ------------------------------------------------
+
+def _encoders(tmp_path: Path, max_batch: int = 8):
+    """Two avatars' encoders, one file's content at two paths, on a device that batches at prepared
+    sizes; the device's first-call stalls after the first avatar's."""
+    from gpu_actor.device import StandInDevice
+    from gpu_actor.encoder import AudioEncoders
+    from gpu_actor.model_builder import write_audio_encoder
+    device = StandInDevice(0.0)
+    encoders = AudioEncoders(device, max_batch, 1, False)
+    first = write_audio_encoder(tmp_path / "a" / "audio_encoder.onnx", seed=4)
+    (tmp_path / "b").mkdir()
+    second = tmp_path / "b" / "audio_encoder.onnx"
+    second.write_bytes(first.read_bytes())
+    encoders.load("a", first)
+    stalls = device.stalls
+    encoders.load("b", second)
+    return device, encoders, stalls, first
+
+
+def _encoded(path: Path, inputs: np.ndarray) -> np.ndarray:
+    """The encoder file run alone on the CPU provider, one call."""
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: inputs})[0]
+
+
+def test_avatars_whose_encoder_files_match_share_its_sessions_and_a_whole_utterance_pads_only_its_calls(tmp_path):
+    """The second avatar's encoder (the same bytes at another path) meets no new session or shape; a whole
+    utterance's PCM (an `infer` request's) runs in calls at prepared sizes, the last padded, and gives
+    exactly its frames' windows: those of the file run alone on it."""
+    from config import audio as A
+    device, encoders, stalls, path = _encoders(tmp_path)
+    assert stalls == len(device.sizes(8)) and device.stalls == stalls   # b loaded nothing of its own
+    assert encoders.of("a") is encoders.of("b")
+    pcm = np.round(A.speech(1.3, seed=2) * 32767).astype(np.int16)
+    inputs = A.encoder_inputs(A.melspectrogram(pcm.astype(np.float32) / 32768.0))
+    assert len(inputs) % 8 and len(inputs) > 8   # (so some call is padded)
+    windows = encoders.windows("b", pcm)
+    expected = A.frame_windows(_encoded(path, inputs))
+    assert windows.shape == expected.shape == (A.frame_count(len(pcm)), 32, 16, 16)
+    assert np.abs(windows - expected).max() <= 1e-5
+
+
+def test_a_steps_encoder_inputs_run_in_one_call_each_encoded_once_and_kept_within_a_bound(tmp_path, monkeypatch):
+    """`features_many` (a worker step's PCM tasks): the inputs of every session on one encoder run in one
+    call, each (utterance, input number) once; a later step encodes only what is new; the least recently
+    used go past the cache's bound; a task without an utterance is never kept."""
+    from config import audio as A
+    from gpu_actor import encoder as E
+    _, encoders, _, path = _encoders(tmp_path)
+    monkeypatch.setattr(E, "FEATURES_CACHE", 12)
+    encoded: list[int] = []
+    run = E.Encoder.run
+    monkeypatch.setattr(E.Encoder, "run", lambda self, rows: (encoded.append(len(rows)), run(self, rows))[1])
+    mel = A.encoder_inputs(A.melspectrogram(A.speech(1.0, seed=3)))
+    reference = _encoded(path, mel)
+
+    def step(*tasks: tuple[str, str, int, int]) -> None:   # (model, utterance, first input, inputs)
+        results = encoders.features_many([(m, u, a, mel[a:a + n]) for m, u, a, n in tasks])
+        for (_, _, a, n), got in zip(tasks, results):
+            assert np.abs(got - reference[a:a + n]).max() <= 1e-5
+
+    # two sessions on avatars sharing the encoder, one of them with two requests, and one uncached task
+    step(("a", "u1", 0, 6), ("b", "u2", 0, 3), ("a", "u1", 4, 5), ("a", "", 0, 4))
+    assert encoded == [9 + 3 + 4]   # one call: u1's inputs 0-8 once, u2's 0-2, the uncached task's 4
+    assert len(encoders._features) == 12   # the uncached task's went
+    step(("a", "u1", 0, 2), ("b", "u2", 3, 2))   # u1's 0-1 kept (and now used last); u2's 3-4 are new
+    assert encoded[1:] == [2]
+    # past the bound (12), the least recently used went: u1's 2 and 3, not its 0 and 1
+    step(("a", "u1", 0, 2))
+    assert encoded[2:] == []
+    step(("a", "u1", 2, 2))
+    assert encoded[2:] == [2]
