@@ -206,6 +206,35 @@ def test_a_size_dropped_for_memory_is_freed_with_its_bindings_and_batches_run_sm
     np.testing.assert_allclose(out, _cpu(path, 5), rtol=0, atol=1e-6)
 
 
+def test_steps_of_several_models_run_as_inference_mixed_steps_says_and_a_size_the_n_model_form_dropped_as_sub_calls(
+        tmp_path):
+    """`inference.mixed_steps: sub_calls` prepares no N-model form. `grouped` runs every step of several
+    models in it, and admission's frames/s is what it runs (not the sub-calls', though faster), but a
+    step whose rows pad to a size the form dropped (no memory for it, a failure) runs as sub-calls."""
+    import weakref
+    paths = [write_model(tmp_path / f"m{i}.onnx", kind="tiny", seed=i) for i in range(2)]
+
+    def two_models(mixed: str):
+        archs = Architectures(StandInDevice(0.0), 8, 0, False, mixed=mixed)
+        runners = [archs.load(path) for path in paths]
+        archs.prepare_more(weakref.ref(runners[1]))
+        return runners
+
+    runners = two_models("sub_calls")
+    assert runners[0].prepared.grouped is None and not runners[0].prepared.prefers_grouped([1, 1])
+    runners = two_models("grouped")
+    p = runners[0].prepared
+    assert tuple(p.grouped.sessions) == (2, 4, 8)
+    assert p.prefers_grouped([1, 1]) and p.prefers_grouped([3, 5])
+    # two models: admission counts steps of 4 frames of each, in one grouped call of 8 here, though a
+    # call per model would run more (the times a card might measure)
+    p.call_s = {1: 0.001, 2: 0.002, 4: 0.004, 8: 0.008}
+    p.grouped.call_s = {2: 0.010, 4: 0.020, 8: 0.040}
+    assert p.frames_per_s() == 8 / 0.040
+    p.grouped._failed(8, RuntimeError("Failed to allocate memory for requested buffer"))
+    assert p.prefers_grouped([2, 2]) and not p.prefers_grouped([3, 5])
+
+
 def test_out_of_memory_at_the_smallest_size_is_an_out_of_memory_for_the_registry(tmp_path):
     paths = {"m": write_model(tmp_path / "m.onnx", kind="tiny")}
     reg = Registry(NoMemoryAbove(0), OPTIONS, 2, paths.get, lambda *e: None, lambda: None)

@@ -87,6 +87,7 @@ def test_requests_queued_at_a_worker_share_its_calls_and_each_gets_its_own_mouth
     assert samples[("lipsync_device_call_rows_total", (("row", "frame"), ("worker", "0")))] == REQUESTS
     padding = sum(int(size) * n for size, n in architecture["calls_by_size"].items()) - REQUESTS
     assert samples[("lipsync_device_call_rows_total", (("row", "padding"), ("worker", "0")))] == padding
+    assert architecture["padded_share"] == round(padding / (padding + REQUESTS), 3), architecture
     assert samples[("lipsync_device_busy_seconds_total", (("worker", "0"),))] == pytest.approx(steps["device_busy_s"])
     assert {k: v for (name, labels), v in samples.items() if name == "lipsync_device_steps_total"
             for key, k in labels if key == "kind"} == {k: float(n) for k, n in architecture["steps"].items()}
