@@ -550,6 +550,21 @@ def test_turns_share_the_device_by_frames_between_clients_and_put_speech_first()
     assert order[:2] == [speech[1], speech[0]]
     assert order.index(newcomer) <= 3 and order.index(elsewhere) <= 3, [t.client for t in order]
     assert order.index(mine[1]) < order.index(mine[0])
+    # a client's queued tasks each start where the one before it ends, by its frames: one 8-frame task
+    # goes behind another client's four 1-frame tasks, not after the first of them
+    fresh = Turns()
+    big, small = [task(9, 8, deadline=1.0 + k) for k in range(2)], [task(10, 1, deadline=2.0 + k) for k in range(4)]
+    assert fresh.order(big + small, lambda t: t.batch) == [big[0], *small, big[1]]
+    # live speech taken beside them is nobody's share: the served client stays behind the newcomer
+    fresh = Turns()
+    backlog = [task(11, 8, deadline=1.0 + k) for k in range(6)]
+    for k in range(3):
+        fresh.taken(fresh.order(backlog, lambda t: t.batch)[0], 8)
+        backlog.pop(0)
+        for j in range(4):
+            fresh.taken(task(0, 8, due=10.0 * k + j), 8)
+    late = task(12, 8, deadline=99.0)
+    assert fresh.order(backlog + [late], lambda t: t.batch)[0] is late
     # a newcomer with many tasks gets its share from now on, not the whole past's worth
     burst = [task(4, 8, deadline=40.0 + k) for k in range(5)]
     order = turns.order(queue + burst, lambda t: t.batch)
