@@ -296,6 +296,14 @@ def test_a_grouped_step_of_several_models_gives_each_frame_its_own_models_mouths
         want = np.empty_like(out)
         OwnSessionRunner(paths[(0, 1, 0)[k]]).run(visual, audio, want)
         np.testing.assert_allclose(out, want, rtol=0, atol=1e-5, err_msg=f"{case}: part {k}")
+    # the next step's rows hold the models the other way round: each row's weights are copied again
+    for out in outs:
+        out[:] = np.nan
+    prepared.run_grouped([(runners[1], [parts[0], parts[2]]), (runners[0], [parts[1]])])
+    for k, ((visual, audio), out) in enumerate(zip(inputs, outs)):
+        want = np.empty_like(out)
+        OwnSessionRunner(paths[(1, 0, 1)[k]]).run(visual, audio, want)
+        np.testing.assert_allclose(out, want, rtol=0, atol=1e-5, err_msg=f"{case}: part {k}, second step")
 
 
 def test_a_graph_the_n_model_form_cannot_express_runs_its_mixed_steps_as_a_call_per_model(tmp_path, caplog):
