@@ -283,6 +283,9 @@ def test_a_pcm_utterances_frames_go_in_requests_that_fall_due_within_one_latency
     frames = [k for r in host.of(Kind.COMPOSITE, SpeechBatch) for _, k, _ in r.work.targets]
     assert sum(sizes) == frame_count(len(pcm)) == 49 and frames == sorted(frames), sizes
     assert max(sizes) == round(0.280 * FPS) == 7, sizes
+    # each is due at its first frame (the worker runs live speech due soonest first), and ends by its last
+    for r in host.of(Kind.COMPOSITE, SpeechBatch):
+        assert r.deadline - r.inputs.due == pytest.approx((r.batch - 1) / FPS), (r.batch, r.inputs.due, r.deadline)
     live.handle(_call("session_close", peer, session=token), [])
 
 

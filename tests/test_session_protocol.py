@@ -105,6 +105,32 @@ def test_an_interrupt_marks_the_frame_where_it_took_effect_and_silence_follows(s
     assert not any(h.get("utterance") for h, _, _ in got[marks[0] + 1:]), "frames of the utterance after its cut"
 
 
+def test_raw_speech_held_until_due_keeps_its_pixels_while_its_image_slots_serve_the_frames_after_it(server):
+    """Raw BGR frames come back in the compositors' image slots (shm.slots each), freed as a batch is
+    answered; speech sent ahead waits in the session until due. 40 frames at once are five batches, and the slots of
+    the first serve the third while the first's frames still wait: every frame goes out with its own
+    pixels, those of the batch API for the same window and background frame."""
+    n = 40
+    windows = np.random.default_rng(8).standard_normal((n, 32, 16, 16)).astype(np.float32)
+    with Session(server.endpoint, "a", format="raw") as s:
+        assert s.info["pixel_format"] == "bgr24"
+        frames_for(s, 0.2)
+        reply = s.send_audio(windows, last=True)
+        got = {}
+        deadline = time.monotonic() + n / 25 + BUDGET_MS / 1000 + 15
+        while len(got) < n and time.monotonic() < deadline:
+            frame = s.next_frame(timeout_s=1.0)
+            if frame is not None and frame[0].get("kind") == "speech":
+                got[frame[0]["index"]] = frame
+    assert sorted(got) == list(range(reply["first_frame"], reply["first_frame"] + n)), sorted(got)
+    with server.client() as c:
+        for i, k in enumerate(sorted(got)):
+            header, image, _ = got[k]
+            _, (want,) = c.composite("a", windows[i:i + 1], start_frame=header["frame"], format="png")
+            want = decode_image(want, "png", {})
+            np.testing.assert_array_equal(np.frombuffer(image, np.uint8).reshape(want.shape), want, err_msg=f"frame {i}")
+
+
 @pytest.mark.parametrize("layout", ["rgb24", "rgba", "i420"])
 def test_raw_frames_in_the_layout_the_framework_plays(server, models, layout):
     w, h = 320, 240
