@@ -110,6 +110,42 @@ def test_missing_frames_and_bad_files_are_refused(tmp_path):
         load_assets(_paths(d), (4096, 4096))
 
 
+def test_frames_over_the_size_limit_and_indices_outside_the_frames_are_refused(tmp_path):
+    """A first frame larger than compositing.max_frame_width x max_frame_height is refused naming the
+    settings; a background index outside the avatar's frames (negative too) is refused naming the count."""
+    d = make_avatar(tmp_path, "x", n_frames=3)   # 320x240 frames
+    with pytest.raises(AssetError, match=r"frame is 320x240, more than .*max_frame_width.* \(300x240\)"):
+        load_assets(_paths(d), (300, 240))
+    assets = load_assets(_paths(d), (320, 240))
+    assets.check_frames([0, 2])
+    for bad in (3, -1):
+        with pytest.raises(AssetError, match=rf"background frame {bad} does not exist: .* has 3 frames"):
+            assets.check_frames([0, bad])
+
+
+def test_replacing_a_frame_or_the_crop_boxes_in_place_makes_the_assets_a_new_version(tmp_path):
+    """The shared store keys decoded frames by the files' version (AvatarAssets.store_id): a frame file
+    rewritten in place (same name, inode and size) or new crop boxes give a new version, so no request
+    meets the old decoded frames; the files as they were keep theirs."""
+    import os
+    d = make_avatar(tmp_path, "x", n_frames=3, rect_form="list")
+    before = load_assets(_paths(d), (640, 480))
+    assert load_assets(_paths(d), (640, 480)).store_id == before.store_id
+    frame = before.frame_files[1]
+    data = bytearray(frame.read_bytes())
+    with open(frame, "r+b") as f:   # the same inode and size, other bytes, a later mtime
+        f.write(bytes(data))
+    st = frame.stat()
+    os.utime(frame, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    after_frame = load_assets(_paths(d), (640, 480))
+    assert after_frame.store_id != before.store_id
+    rects = d / "crop_rects.json"
+    st = rects.stat()
+    rects.write_text(rects.read_text())   # (rewritten: its mtime moves)
+    os.utime(rects, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000))
+    assert load_assets(_paths(d), (640, 480)).store_id not in (before.store_id, after_frame.store_id)
+
+
 def test_frames_in_natural_name_order(tmp_path):
     d = make_avatar(tmp_path, "x", n_frames=12, rect_form="list")
     names = [p.name for p in load_assets(_paths(d), (4096, 4096)).frame_files]

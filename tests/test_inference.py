@@ -292,6 +292,27 @@ def test_the_devices_frames_per_s_is_its_slowest_loaded_architectures(ten_models
     reg.close()
 
 
+@pytest.mark.parametrize("inputs, outputs, message", [
+    ([("v", [1, 6, 320, 320]), ("a", [1, 32, 16, 16]), ("x", [1, 4])], [("o", [1, 3, 320, 320])], "expected 2 inputs"),
+    ([("v", [1, 6, 320, 320]), ("a", [1, 32, 16, 16])], [("o", [1, 3, 320, 320]), ("p", [1])], "and 1 output"),
+    ([("v", [1, 3, 320, 320]), ("a", [1, 32, 16, 16])], [("o", [1, 3, 320, 320])], r"no input of shape \[B,6,320,320\]"),
+    ([("v", ["N", 6, 320, 320]), ("a", ["N", "T", 16, 16])], [("o", ["N", 3, 320, 320])],
+     "audio input a must have a static shape after the batch dim"),
+    ([("v", [1, 6, 320, 320]), ("a", [1, 32, 16, 16])], [("o", [1, 3, 256, 256])], r"output o must be \[B,3,320,320\]"),
+    ([("v", [1, 6, 320, 320]), ("a", [4, 32, 16, 16])], [("o", [1, 3, 320, 320])],
+     r"disagree on the batch size: \[1, 4\]"),
+])
+def test_a_models_inputs_and_outputs_that_do_not_fit_are_refused_saying_what_fits(inputs, outputs, message):
+    """classify_io picks the visual and audio inputs by shape; a model that does not fit the contract is
+    refused naming what it has and what is expected."""
+    from config.assets import classify_io
+    with pytest.raises(AssetError, match=message):
+        classify_io(inputs, outputs, "m.onnx")
+    io = classify_io([("audio", ["N", 32, 16, 16]), ("image", ["N", 6, 320, 320])], [("o", ["N", 3, 320, 320])], "m")
+    assert (io.visual, io.audio, io.audio_shape, io.batch) == ("image", "audio", (32, 16, 16), None)
+    assert classify_io([("v", [4, 6, 320, 320]), ("a", ["N", 32, 16, 16])], [("o", [4, 3, 320, 320])], "m").batch == 4
+
+
 def test_model_io_is_read_without_decoding_weights_and_ignores_initializer_inputs(tmp_path):
     from onnx import helper
     model = build_model("tiny", "hubert", batch=4, visual_name="image")
