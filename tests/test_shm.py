@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from shm import RingFull, RingSpec, SlotRing, SlotState, StaleHandle, TensorRef, list_segments, sweep_dead_runs
+from shm import RingError, RingFull, RingSpec, SlotRing, SlotState, StaleHandle, TensorRef, list_segments, sweep_dead_runs
 from shm.segment import Segment
 from tests.conftest import TEST_PREFIX
 
@@ -93,6 +93,30 @@ def test_stale_generation_raises_and_never_returns_other_bytes(ring):
         ring.read(old)
     new = ring.ref(slot, 0, "uint8", (4,))
     assert list(ring.read(new)) == [2, 2, 2, 2]
+
+
+def test_a_handle_of_another_ring_is_refused_naming_both(ring, shm_name):
+    other = SlotRing.create(RingSpec.for_bytes(shm_name + "-other", 3, 64))
+    try:
+        other.become_writer()
+        foreign = other.ref(other.try_acquire(request_id=1), 0, "uint8", (4,))
+        ring.try_acquire(request_id=1)   # (the same slot and generation here)
+        with pytest.raises(RingError, match=f"handle for ring {other.spec.name} used on ring {ring.spec.name}"):
+            ring.read(foreign)
+    finally:
+        other.close(unlink=True)
+
+
+def test_requests_that_came_and_went_leave_nothing_behind(ring):
+    """A long-running writer serves millions of requests: each one's record goes with its last extent."""
+    for req in range(1, 1000):
+        slots = [ring.try_acquire(req) for _ in range(2)]
+        ring.release(slots[0])
+        if req % 2:
+            ring.release(slots[1])
+        else:
+            ring.release_request(req)
+    assert ring.slots_in_use() == 0 and not ring._by_request
 
 
 def test_view_outside_slot_names_the_limit(ring):
