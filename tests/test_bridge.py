@@ -334,10 +334,15 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
                            [pack(InferDone(req=3, worker=0, ok=True))], [],
                            [pack(Pins(models={"../etc": 1}))], [pack(Pins(models={"a": 1 << 40}))]):
                 sock.send_multipart(frames if frames else [b""])
+            inputs = np.zeros((3, 1, 80, 16), np.float32).tobytes()   # encoder inputs, for the rows below
             refused = {2: infer(req=2, batch=99, frames=[0] * 99), 4: infer(req=4, audio_shape=(1 << 20,)),
-                       5: infer(req=5), 6: infer(req=6, frames=[10_000])}
+                       5: infer(req=5), 6: infer(req=6, frames=[10_000]), 8: infer(req=8, frames=[0, 0]),
+                       9: infer(req=9, rows=[[0] * 15 + [3]]), 10: infer(req=10, rows=[[-2] + [0] * 15]),
+                       11: infer(req=11, rows=[[0] * 15]), 12: infer(req=12, pcm=True),
+                       13: infer(req=13, model="../a")}
+            payload = {5: audio[:8], 9: inputs, 10: inputs, 11: inputs, 12: b"\x00" * 3200}
             for req, msg in refused.items():
-                sock.send_multipart([msg] + ([audio[:8]] if req == 5 else [audio]))
+                sock.send_multipart([msg, payload.get(req, audio)])
             answers = {}
             while len(answers) < len(refused) and sock.poll(20_000):
                 reply = msgspec.msgpack.decode(sock.recv_multipart()[0], type=InferDone)
@@ -345,6 +350,12 @@ def test_a_gpu_host_survives_hostile_edge_messages(tmp_path, models, keys):
             assert set(answers) == set(refused), answers
             assert all(not a.ok and a.code in ("bad_request",) for a in answers.values()), answers
             assert "limits.max_batch" in answers[2].message and "frame 10000" in answers[6].message, answers
+            says = {4: "limits.max_audio_elements", 5: "tensor frames of [8] bytes", 8: "2 frame indices for a batch of 1",
+                    9: "window rows for 1 frames do not fit 3 encoder inputs",
+                    10: "window rows for 1 frames do not fit", 11: "window rows for 1 frames do not fit", 12: "3200 bytes of PCM do not give 1 frames",
+                    13: "model id '../a' is not valid"}
+            # (refused at the bridge, before any of it reaches a worker: the worker's own check words it otherwise)
+            assert all(said in answers[req].message for req, said in says.items()), answers
             sock.send_multipart([infer(req=7), audio])   # the bridge still serves
             assert sock.poll(20_000)
             assert msgspec.msgpack.decode(sock.recv_multipart()[0], type=InferDone).ok
