@@ -202,6 +202,7 @@ def test_store_stays_under_cache_bytes_with_many_models(tmp_path, avatar):
                 assert store.bytes_used() <= 16 * 1024 * 1024
         assert store.decodes == 125
         assert store.spec.n_entries * store.spec.entry_bytes <= 16 * 1024 * 1024
+        assert len(store._hints) <= store.spec.n_entries   # where this process saw each frame: bounded too
         _, _, hit = store.fetch("model24", 4, lambda: frame)
         assert hit  # the most recent entry survived
         _, _, hit = store.fetch("model0", 0, lambda: frame)
@@ -231,6 +232,88 @@ def test_store_reads_what_another_process_put_where_a_frame_was(tmp_path, avatar
         assert store.entries_used() == 2
     finally:
         other.close()
+        store.close(unlink=True)
+
+
+def test_store_evicts_the_least_recently_used_or_the_least_used_as_compositing_eviction_says(tmp_path, avatar):
+    """Two entries: a hit makes a frame the most recently used (lru) and counts a use (lfu); the third
+    frame evicts the other one."""
+    frame = avatar.decode(0)
+    entry = store_spec("sizing", str(tmp_path), 1 << 30, W, H, "lru").entry_bytes
+    for eviction, uses_of_0, kept in (("lru", 1, 0), ("lfu", 4, 0)):
+        store = _store(tmp_path, cache_bytes=2 * entry, eviction=eviction)
+        try:
+            store.fetch("a", 0, lambda: frame)
+            for _ in range(uses_of_0 - 1):
+                store.fetch("a", 0, lambda: pytest.fail("frame 0 is in the store"))
+            store.fetch("a", 1, lambda: frame)
+            store.fetch("a", 1, lambda: pytest.fail("frame 1 is in the store"))
+            if eviction == "lru":   # frame 0 read again: the most recent now
+                store.fetch("a", 0, lambda: pytest.fail("frame 0 is in the store"))
+            store.fetch("a", 2, lambda: frame)
+            assert store.has("a", kept) and not store.has("a", 1 - kept), eviction
+        finally:
+            store.close(unlink=True)
+
+
+def test_a_read_whose_entry_is_evicted_meanwhile_looks_again_and_never_returns_the_other_frame(tmp_path, avatar):
+    """A process copies a frame out of its entry while another process evicts it and loads its own frame
+    there: the copy is of the other frame, and the reader, seeing the entry's generation move, looks again
+    and decodes its own."""
+    frame = avatar.decode(0)
+    entry = store_spec("sizing", str(tmp_path), 1 << 30, W, H, "lru").entry_bytes
+    marked = [(np.full_like(frame[0], v), np.full_like(frame[1], v)) for v in (1, 2)]
+    store = _store(tmp_path, cache_bytes=entry)
+    other = BackgroundStore.attach(store.spec)
+    copy = store._copy
+
+    def copy_while_evicted(slot, want_background, out=None):
+        store._copy = copy   # once
+        other.fetch("b", 0, lambda: marked[1])   # the one entry goes to b's frame
+        return copy(slot, want_background, out)
+    try:
+        store.fetch("a", 0, lambda: marked[0])
+        store._copy = copy_while_evicted
+        background, crop, hit = store.fetch("a", 0, lambda: marked[0])
+        assert background[0, 0, 0] == 1 and crop[0, 0, 0] == 1 and not hit
+    finally:
+        other.close()
+        store.close(unlink=True)
+
+
+def _claim_and_die(spec, frame) -> None:
+    store = BackgroundStore.attach(spec)
+    store.fetch("a", frame, lambda: os._exit(0))   # dies holding the frame LOADING
+
+
+def _claim_and_hang(spec, frame, claimed) -> None:
+    import time
+    store = BackgroundStore.attach(spec)
+    store.fetch("a", frame, lambda: (claimed.set(), time.sleep(600)))
+
+
+def test_a_frame_left_loading_by_a_dead_process_is_taken_over_and_a_live_ones_is_waited_for_until_the_timeout(
+        tmp_path, avatar):
+    store = _store(tmp_path)
+    ctx = mp.get_context("spawn")
+    try:
+        dead = ctx.Process(target=_claim_and_die, args=(store.spec, 0))
+        dead.start()
+        dead.join(60)
+        assert dead.exitcode == 0 and not store.has("a", 0)
+        background, crop, hit = store.fetch("a", 0, lambda: avatar.decode(0), timeout_s=10)
+        assert not hit and crop.tobytes() == avatar.decode(0)[1].tobytes()   # taken over, decoded here
+        claimed = ctx.Event()
+        hung = ctx.Process(target=_claim_and_hang, args=(store.spec, 1, claimed))
+        hung.start()
+        try:
+            assert claimed.wait(60)
+            with pytest.raises(Exception, match="frame 1 of model a stayed LOADING for 1s in another process"):
+                store.fetch("a", 1, lambda: pytest.fail("a live process is decoding it"), timeout_s=1.0)
+        finally:
+            hung.kill()
+            hung.join(30)
+    finally:
         store.close(unlink=True)
 
 
