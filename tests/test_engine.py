@@ -154,6 +154,24 @@ def test_stats_answers_with_what_came_after_its_gathering_deadline():
     assert held(e) == NOTHING
 
 
+def test_answers_a_request_was_not_waiting_for_are_not_taken_for_its_own():
+    """A worker's answer for a request another worker runs, or a second answer, changes nothing: the
+    stray InferDone only frees that worker's output slot, a StatsReport from a worker not asked (or twice)
+    is not counted, and the request ends with its own workers' answers."""
+    e = engine(workers=2)
+    r, actions = submit(e, Kind.INFER)
+    assert r.worker == 0
+    assert e.infer_done(InferDone(req=r.req, worker=1, ok=True, output=None)) == [ReleaseOutput(1, r.req)]
+    assert e.table.get(r.req) is r and not r.results
+    assert ends(e.infer_done(InferDone(req=r.req, worker=0, ok=True, output=None))) == [Done(r)]
+    stats, _ = submit(e, Kind.STATS, model=None)
+    report = lambda w: StatsReport(req=stats.req, worker=w, device="cpu", models={}, loaded=[], queue=0)  # noqa: E731
+    assert e.control_done(report(0)) == [] and e.control_done(report(0)) == []
+    assert ends(e.control_done(report(1))) == [Done(stats)]
+    assert sorted(a.worker for a in stats.results) == [0, 1]
+    assert held(e) == NOTHING
+
+
 def test_a_request_goes_to_the_worker_that_has_or_is_loading_its_model_else_the_least_busy():
     """frontend.routing affinity: the least busy worker (requests on it) when none has the model, ties
     to the first; the worker loading a model gets its next requests, though another is less busy (so a
