@@ -528,6 +528,89 @@ def test_h264_sessions_opened_together_are_spread_over_the_compositors():
     assert sorted(placed.count(c) for c in (0, 1)) == [10, 10], placed
 
 
+def test_h264_idle_loop_chunks_are_asked_for_once_while_encoding_and_again_after_a_failure():
+    """An avatar's idle loop is encoded once for all its H.264 sessions: a session opening while its
+    chunks are being encoded asks for none of them again; a chunk whose encode failed is asked for by the
+    next session that opens."""
+    live, host, clock = _live()
+
+    def open_h264(name: str) -> None:
+        assert live.handle(_call("session_open", Peer(name), model="a", format="h264"), []) is None
+        for r in host.of(Kind.LOAD, Pin):
+            if not r.results:
+                r.results = [SimpleNamespace(worker=0)]
+                _done(r)
+
+    open_h264("l0")
+    asked = host.of(Kind.RENDER, LoopJob)
+    assert len(asked) >= 2, asked   # the avatar's loop, in chunks
+    open_h264("l1")
+    assert host.of(Kind.RENDER, LoopJob) == asked, "a chunk being encoded was asked for again"
+    _failed(asked[0], "its compositor died")
+    for r in asked[1:]:
+        r.images = {0: [b"au"] * r.batch}
+        _done(r)
+    open_h264("l2")
+    again = [r for r in host.of(Kind.RENDER, LoopJob) if r not in asked]
+    assert [r.work.key for r in again] == [asked[0].work.key]
+
+
+def test_an_h264_frame_the_client_could_not_take_is_followed_by_a_keyframe():
+    """A frame dropped on its way to the client (its queue full) leaves the client's decoder without a
+    picture the next ones refer to: those decided already (encoded ahead) are not sent either, and the
+    next frame sent is a keyframe (an IDR encoded for it where the idle loop's next frame is not one)."""
+    @dataclass
+    class DroppingHost(RecordingHost):
+        drop_next: bool = False
+
+        def send(self, reply_to, header: bytes, data=(), req: int = 0, image_slots=(), also=None) -> bool:
+            if self.drop_next:
+                self.drop_next = False
+                return False
+            return super().send(reply_to, header, data, req, image_slots, also)
+
+    # (one loop chunk, its first frame the loop's only keyframe: 12 frames of SPEC's mirrored 6)
+    config = parse_config({"sessions": {"start_delay_ms": 100, "latency_budget_ms": 280, "h264": {"loop_chunk": 12}}})
+    host, clock = DroppingHost(), VirtualClock()
+    live = Live(host, config, Metrics(), clock=clock)
+    peer = Peer("k")
+    assert live.handle(_call("session_open", peer, model="a", format="h264"), []) is None
+    for r in host.of(Kind.LOAD, Pin):
+        r.results = [SimpleNamespace(worker=0)]
+        _done(r)
+    for r in host.of(Kind.RENDER, LoopJob):   # the idle loop, encoded: frame k of a chunk is its AU k
+        r.images = {0: [f"loop{k}".encode() for k in range(r.batch)]}
+        _done(r)
+
+    def frames() -> list[dict]:
+        return [h for _, h, _ in host.sent if h.get("event") == "frame"]
+
+    encoded = set()
+
+    def run(seconds: float) -> None:
+        end = clock.now() + seconds
+        while clock.now() < end:
+            clock.advance(1 / FPS)
+            for r in host.of(Kind.RENDER, EncodeJob):
+                if id(r) not in encoded:
+                    encoded.add(id(r))
+                    r.images = {0: [b"encoded"] * r.batch}
+                    _done(r)
+    run(0.5)
+    while bytes(host.sent[-1][2][0]) != b"loop0":   # the loop's keyframe: the next is 12 frames on
+        run(1 / FPS)
+    sent = len(frames())
+    assert sent > 3 and frames()[-1]["kind"] == "idle"
+    host.drop_next = True
+    run(0.5)
+    after = frames()[sent:]
+    assert after and after[0]["keyframe"], [(h["index"], h["keyframe"]) for h in after[:3]]
+    skipped = after[0]["index"] - frames()[sent - 1]["index"] - 1   # the one dropped, and those after it
+    assert skipped >= 1 and live.table.get(after[0]["session"]).stats.dropped == skipped, skipped
+    assert skipped <= 1 + ENCODE_AHEAD_FRAMES, skipped   # the next decided is an IDR, not the loop's next chunk
+    assert [h["index"] for h in after] == list(range(after[0]["index"], after[0]["index"] + len(after)))
+
+
 def test_h264_speech_is_due_when_its_frame_is_decided_not_when_it_goes_out():
     """An H.264 frame is decided (and sent to its encoder) ENCODE_AHEAD_FRAMES before it goes out: its
     speech must be ready by then. Speech requests carry that time as deadline and due, so that the

@@ -211,14 +211,17 @@ class H264Sessions:
 
     def flush(self, session: LiveSession, now: float) -> None:
         """Send the session's access units that are due, in order; wake again for the next one."""
-        for unit in session.h264.sendable(now):
+        stream = session.h264
+        for unit in stream.sendable(now):
             if unit.lost:
                 session.stats.dropped += 1
                 self._skipped.inc()
                 continue
             unit.frame.image = unit.au
             if not self._send(session, unit.frame, now, keyframe=unit.keyframe):
-                session.h264.need_idr = True   # the client's decoder lost a picture: start again from an IDR
+                # the client's decoder lost a picture: the frames after it, which may refer to it, wait for
+                # an IDR (as after a lost one), and the next frame decided is one
+                stream.need_idr = stream.broken = True
         waiting = session.h264.waiting_due()
         if waiting is not None and waiting < session.due(session.next_index) - session.ahead:   # else: it ticks then
             self.table.wake(session, waiting)
