@@ -370,3 +370,34 @@ def test_multiprocess_stress_never_returns_wrong_bytes(shm_name, tmp_path):
     assert sum(r[3] for r in readers) == 0, f"a reader got another request's bytes (seed {seed})"
     assert sum(r[1] + r[2] for r in readers) == N_MESSAGES
     assert sum(r[1] for r in readers) >= N_MESSAGES - writer[1]
+
+
+def test_the_host_board_forgets_a_dead_or_restarted_process_sessions_and_keeps_its_counts(shm_name):
+    """Each client-facing process writes its row of the host's board (sessions, speaking, each limited
+    tenant's sessions; speech frames and opens, cumulative); the others read their sum. A process that
+    died (`vacate`) or restarted (attach to its row again) holds no sessions, speakers or tenants' sessions
+    any more; what it counted stays counted."""
+    from shm.board import OPENS, SESSIONS, SPEAKING, SPEECH_FRAMES, Board, HostCounts
+    board = Board.create(shm_name, 2, tenants=1)
+    rows = [Board.attach(shm_name, i, 2) for i in range(2)]
+    try:
+        for column, value in ((SESSIONS, 3), (SPEAKING, 2), (SPEECH_FRAMES, 50), (OPENS, 4)):
+            rows[0].set(column, value)
+        rows[0].set_tenants([3])
+        rows[1].set(SESSIONS, 5)   # (its own: not among the others')
+        assert rows[1].others() == HostCounts(3, 2, 50, 4, (3,)) and rows[0].others().sessions == 5
+        board.vacate(0)
+        assert rows[1].others() == HostCounts(0, 0, 50, 4, (0,))
+        rows[0].set(SESSIONS, 1)
+        rows[0].set(SPEAKING, 1)
+        rows[0].set_tenants([1])
+        rows[0].close()
+        rows[0] = Board.attach(shm_name, 0, 2)   # its successor
+        assert rows[1].others() == HostCounts(0, 0, 50, 4, (0,))
+        for row, processes in ((2, 2), (0, 3)):
+            with pytest.raises(ValueError, match=f"has no row {row} of {processes}"):
+                Board.attach(shm_name, row, processes)
+    finally:
+        for row in rows:
+            row.close()
+        board.close(unlink=True)
