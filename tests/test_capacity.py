@@ -98,7 +98,7 @@ def test_sessions_that_close_make_room_at_once():
 def test_a_restarted_process_does_not_count_its_new_clock_as_load():
     cap = Capacity(cores=2, max_load=0.75, max_process_load=0.9)
     host = Host(cap, {"frontend": 0.05, "cpu0": 0.05}, {"frontend": 0.0, "cpu0": 0.0})
-    host.run(4, 2.0)
+    host.run(4, 4.0)   # (the window's first sample has more CPU time than the new process's first)
     host.cpu["cpu0"] = 0.0        # the compositor was restarted: its CPU time starts again
     host.run(4, 0.5)
     assert cap.load.by_process["cpu0"] == 0.0 and cap.refuse(host.now, 4) is None
@@ -341,6 +341,8 @@ def test_a_gpu_hosts_sessions_are_held_within_the_frames_per_second_its_workers_
     cap.device(1, 400.0)                          # a second GPU worker doubles it
     assert cap.refuse(host.now, 47) is None and cap.refuse(host.now, 48) is not None
     cap.device(0, 800.0)                          # ... and it rises again (the N-model form is ready)
+    assert cap.refuse(host.now, 71) is None and cap.refuse(host.now, 72) is not None
+    cap.device(0, 0.0)                            # its last model unloaded: nothing measured, the figure holds
     assert cap.refuse(host.now, 71) is None and cap.refuse(host.now, 72) is not None
 
 
