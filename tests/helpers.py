@@ -299,6 +299,13 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready in {timeout_s}s: {last}\n{self.log.read_text()[-3000:]}")
 
+    def wait_logged(self, text: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the server never logged {text!r}:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+
     def stop(self) -> int:
         """SIGTERM, wait, and assert that nothing of the run is left behind."""
         children = psutil.Process(self.proc.pid).children(recursive=True) if self.proc.poll() is None else []
@@ -347,6 +354,10 @@ def run_server(tmp_path: Path, config: dict, curve: Optional[dict] = None, role:
     server = Server(proc, config["frontend"]["bind"][0], log, curve)
     try:
         server.wait_ready(states=states)
+        if config.get("frontend", {}).get("processes", 1) > 1:
+            # the first client-facing process up answers `ready` while another may not have taken its share
+            # of the port yet: wait for the supervisor's start to end (its summary, once every process is up)
+            server.wait_logged("serving on")
         yield server
     finally:
         if proc.poll() is None:
