@@ -219,9 +219,7 @@ class H264Sessions:
                 continue
             unit.frame.image = unit.au
             if not self._send(session, unit.frame, now, keyframe=unit.keyframe):
-                # the client's decoder lost a picture: the frames after it, which may refer to it, wait for
-                # an IDR (as after a lost one), and the next frame decided is one
-                stream.need_idr = stream.broken = True
+                stream.lost(unit.frame.index)   # the client's decoder lost a picture: as a lost frame
         waiting = session.h264.waiting_due()
         if waiting is not None and waiting < session.due(session.next_index) - session.ahead:   # else: it ticks then
             self.table.wake(session, waiting)
